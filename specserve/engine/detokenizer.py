@@ -1,0 +1,34 @@
+"""Incremental detokenization that never emits half a UTF-8 character.
+
+Decoding token by token breaks multi-byte characters (a byte-level BPE may split one emoji over
+several tokens) and loses inter-token spacing in some tokenizers. We decode a short window of
+recent tokens twice, with and without the newest ones, and emit the difference only once it no
+longer ends in U+FFFD (the replacement character a partial byte sequence decodes to).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+# Prompt tokens kept as left context so the first output token decodes with correct spacing.
+_CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, prompt_token_ids: Sequence[int]) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+
+    def push(self, token_id: int) -> str:
+        """Add one token; return the text that became final (possibly empty)."""
+        self.ids.append(token_id)
+        decode = self.tokenizer.decode
+        prefix = decode(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=True)
+        full = decode(self.ids[self.prefix_offset:], skip_special_tokens=True)
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.ids)
+        return full[len(prefix):]

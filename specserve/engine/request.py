@@ -1,0 +1,163 @@
+"""One request's state as the engine sees it: tokens, KV progress, stop conditions, metrics.
+
+There is no prefill or decode phase. A request has tokens (prompt + output so far) and
+`num_computed_tokens` of them have KV in the target cache; the scheduler schedules the
+difference. During decoding the difference is exactly one token: the last one committed, which
+is also the root of the next token tree.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..sampling import SamplingParams, make_generator
+from .detokenizer import IncrementalDetokenizer
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class SpecStats:
+    """Speculation counters of one request (same meaning as the engine-wide ones)."""
+
+    num_drafts: int = 0  # steps in which a token tree was verified
+    num_draft_tokens: int = 0  # tree nodes proposed, root excluded
+    num_accepted_tokens: int = 0  # draft tokens committed
+    accepted_per_pos: list[int] = field(default_factory=list)  # accepted at depth 1, 2, ...
+    num_target_steps: int = 0  # target forwards that committed tokens for this request
+
+
+class Request:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 eos_token_ids: frozenset[int], tokenizer=None, speculation=None) -> None:
+        if not prompt_token_ids:
+            raise ValueError("prompt must contain at least one token")
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.params = params
+        self.speculation = speculation  # a parsed per-request override, or None for the engine's
+        self.eos_token_ids = eos_token_ids
+        self.generator: torch.Generator = make_generator(params.seed)
+        self.status = RequestStatus.WAITING
+        self.finish_reason: str | None = None
+
+        self.block_table: list[int] = []
+        self.num_computed_tokens = 0  # target KV
+        self.num_draft_computed = 0  # draft KV (lags the target by at most a step)
+        self.block_hashes: list[int] = []  # chained hashes of the full committed blocks so far
+        self.num_cached_blocks = 0  # leading blocks registered in the prefix cache
+        self.num_prefix_cached_tokens = 0  # prompt tokens served from the prefix cache
+        self.num_preemptions = 0
+
+        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids) if tokenizer else None
+        self.output_text = ""
+        self.num_emitted_chars = 0
+        self._holdback = max((len(s) for s in params.stop), default=1) - 1
+
+        self.spec = SpecStats()
+        self.arrival_time = time.monotonic()
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.finished_time: float | None = None
+
+    # ---- tokens ---------------------------------------------------------------------------
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_decoding(self) -> bool:
+        """Only the last committed token (the next tree's root) lacks KV."""
+        return bool(self.output_token_ids) and self.num_uncomputed == 1
+
+    @property
+    def remaining_tokens(self) -> int:
+        return self.params.max_tokens - len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_token(self, token_id: int) -> bool:
+        """Commit one token and apply the stop conditions; True when the request is now done.
+
+        Called once per committed token, so a step that accepts several tokens stops exactly at
+        EOS, max_tokens or the end of a stop string, and nothing after it is committed.
+        """
+        self.output_token_ids.append(token_id)
+        if self.detokenizer is not None:
+            self.output_text += self.detokenizer.push(token_id)
+            if self.params.stop and self._apply_stop_strings():
+                return True
+        if token_id in self.eos_token_ids and not self.params.ignore_eos:
+            self.finish("stop")
+        elif len(self.output_token_ids) >= self.params.max_tokens:
+            self.finish("length")
+        return self.is_finished
+
+    def _apply_stop_strings(self) -> bool:
+        # Only the tail can contain a new match: the text before it was checked already.
+        window_start = max(0, self.num_emitted_chars - self._holdback)
+        hits = [i for s in self.params.stop
+                if (i := self.output_text.find(s, window_start)) >= 0]
+        if not hits:
+            return False
+        self.output_text = self.output_text[:min(hits)]
+        self.finish("stop")
+        return True
+
+    def take_text_delta(self) -> str:
+        """Text not yet streamed, holding back a tail that could still become a stop string."""
+        end = len(self.output_text)
+        if self.params.stop and not self.is_finished:
+            end = max(self.num_emitted_chars, end - self._holdback)
+        delta = self.output_text[self.num_emitted_chars:end]
+        self.num_emitted_chars = end
+        return delta
+
+    def finish(self, reason: str) -> None:
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason
+        self.finished_time = time.monotonic()
+
+    # ---- metrics --------------------------------------------------------------------------
+    def metrics(self) -> dict:
+        end = self.finished_time or time.monotonic()
+        spec = self.spec
+        steps = spec.num_target_steps
+        # Tokens per target forward while decoding; the forward that finished the prompt
+        # commits one token whatever the speculation, so it is left out.
+        decode_steps = steps - 1
+        return {
+            "acceptance_length": ((len(self.output_token_ids) - 1) / decode_steps
+                                  if decode_steps > 0 else 1.0),
+            "num_drafts": spec.num_drafts,
+            "num_draft_tokens": spec.num_draft_tokens,
+            "num_accepted_tokens": spec.num_accepted_tokens,
+            "accepted_per_pos": list(spec.accepted_per_pos),
+            "num_target_steps": steps,
+            "num_prompt_tokens": len(self.prompt_token_ids),
+            "num_output_tokens": len(self.output_token_ids),
+            "num_prefix_cached_tokens": self.num_prefix_cached_tokens,
+            "num_preemptions": self.num_preemptions,
+            "queue_s": (self.first_scheduled_time or end) - self.arrival_time,
+            "ttft_s": (self.first_token_time or end) - self.arrival_time,
+            "e2e_s": end - self.arrival_time,
+        }

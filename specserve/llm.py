@@ -1,0 +1,79 @@
+"""Offline API: `LLM(...).generate(prompts, params)` runs every prompt through one engine, batched."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import fields
+from pathlib import Path
+
+from .config import CacheConfig, EngineConfig
+from .engine.core import EngineCore
+from .engine.scheduler import SchedulerConfig
+from .outputs import RequestOutput
+from .sampling import SamplingParams
+
+DEMO_DIR = Path(__file__).resolve().parent.parent / "draft_models" / "demo"
+
+
+def demo_pair() -> tuple[Path, Path]:
+    """The bundled demo target and draft (trained by draft_models/recipe.py)."""
+    from importlib.util import find_spec
+
+    spec = find_spec("specserve.draft_models")
+    base = Path(next(iter(spec.submodule_search_locations))) / "demo" if spec else DEMO_DIR
+    target, draft = base / "target", base / "draft"
+    if not (target / "config.json").is_file():
+        raise FileNotFoundError(f"bundled demo model not found at {target}")
+    return target, draft
+
+
+def build_engine_config(target=None, draft=None, speculation=None, dtype="auto", tp: int = 1,
+                        **options) -> EngineConfig:
+    """Engine config from the LLM/CLI keyword options (unknown ones are an error)."""
+    if tp != 1:
+        raise ValueError("tensor parallelism (tp > 1) is not available yet")
+    if target is None:
+        target, demo_draft = demo_pair()
+        draft = draft if draft is not None else demo_draft
+    cache_keys = {f.name for f in fields(CacheConfig)}
+    sched_keys = {f.name for f in fields(SchedulerConfig)}
+    unknown = set(options) - cache_keys - sched_keys - {"device"}
+    if unknown:
+        raise TypeError(f"unknown engine options: {', '.join(sorted(unknown))}")
+    return EngineConfig(
+        target=Path(target), draft=Path(draft) if draft is not None else None,
+        speculation=speculation, dtype=dtype, device=options.get("device", "cpu"),
+        cache=CacheConfig(**{k: v for k, v in options.items() if k in cache_keys}),
+        scheduler=SchedulerConfig(**{k: v for k, v in options.items() if k in sched_keys}))
+
+
+class LLM:
+    def __init__(self, target: str | Path | None = None, draft: str | Path | None = None,
+                 speculation=None, dtype: str = "auto", tp: int = 1, **engine_options) -> None:
+        self.engine = EngineCore(build_engine_config(target, draft, speculation, dtype, tp,
+                                                     **engine_options))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 speculation=None) -> list[RequestOutput]:
+        """One output per prompt, in order. Prompts are strings or token-id lists."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = params if params is not None else SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+        engine = self.engine
+        requests = [engine.add_request(p if isinstance(p, str) else list(p), sp,
+                                       speculation=speculation)
+                    for p, sp in zip(prompts, params)]
+        try:
+            while any(not r.is_finished for r in requests):
+                engine.step()
+        finally:
+            for r in requests:  # an exception mid-run must not leave blocks held
+                engine.abort(r.request_id)
+        return [RequestOutput(r.request_id, r.prompt_token_ids, list(r.output_token_ids),
+                              r.output_text, r.finish_reason, r.metrics()) for r in requests]

@@ -1,0 +1,1 @@
+"""The model path: layers, the parameterised decoder, weight loading and the runner."""

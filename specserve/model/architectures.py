@@ -1,0 +1,184 @@
+"""One parameterised decoder for the Llama, Qwen2 and Mistral families.
+
+The three differ only in data: Qwen2 adds q/k/v biases, Mistral may set a sliding window (which
+we reject rather than silently ignore when a request could exceed it), and any of them may tie
+the LM head to the embedding. `ArchSpec.from_hf_config` reads those differences once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..distributed import all_gather_last_dim, tp_world_size
+from .attention import AttentionMetadata, PagedAttention
+from .layers import (
+    ColumnParallelLinear,
+    GatedMLP,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    VocabEmbedding,
+)
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "MistralForCausalLM": "mistral",
+}
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """Everything the decoder needs from a checkpoint's config.json, resolved once."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    qkv_bias: bool
+    tie_word_embeddings: bool
+    inv_freq: tuple[float, ...]
+    rope_attention_scaling: float
+    sliding_window: int | None
+
+    @classmethod
+    def from_hf_config(cls, config) -> ArchSpec:
+        archs = getattr(config, "architectures", None) or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(
+                f"unsupported architecture {archs or config.model_type!r}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        num_heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        inv_freq, scaling = rope_inv_freq(config, head_dim)
+        window = getattr(config, "sliding_window", None) if arch == "MistralForCausalLM" else None
+        return cls(
+            architecture=arch,
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=config.rms_norm_eps,
+            max_position_embeddings=config.max_position_embeddings,
+            qkv_bias=(arch == "Qwen2ForCausalLM") or bool(getattr(config, "attention_bias", False)),
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            inv_freq=tuple(inv_freq.tolist()),
+            rope_attention_scaling=float(scaling),
+            sliding_window=window,
+        )
+
+
+def rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
+    """inv_freq [head_dim / 2] and the attention scaling for the config's rope type.
+
+    The scaled variants (llama3, linear, yarn, longrope) come from transformers' own rope
+    functions so we follow the checkpoint's semantics exactly; dynamic NTK depends on the running
+    sequence length and is rejected.
+    """
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    if rope_type == "default":
+        exponent = torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim
+        return (1.0 / theta ** exponent).float(), 1.0
+    if rope_type == "dynamic":
+        raise ValueError("rope_scaling type 'dynamic' is not supported")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"unsupported rope_scaling type {rope_type!r}")
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    return inv_freq.float(), float(scaling)
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, spec: ArchSpec, dtype: torch.dtype) -> None:
+        super().__init__()
+        world = tp_world_size()
+        if spec.num_heads % world or spec.num_kv_heads % world:
+            raise ValueError(f"{spec.num_heads} heads / {spec.num_kv_heads} kv heads do not "
+                             f"split over tp={world}")
+        self.num_heads = spec.num_heads // world
+        self.num_kv_heads = spec.num_kv_heads // world
+        self.head_dim = spec.head_dim
+        q_size = spec.num_heads * spec.head_dim
+        kv_size = spec.num_kv_heads * spec.head_dim
+        self.qkv_proj = ColumnParallelLinear(spec.hidden_size, [q_size, kv_size, kv_size],
+                                             bias=spec.qkv_bias, dtype=dtype)
+        self.o_proj = RowParallelLinear(q_size, spec.hidden_size, dtype=dtype)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, spec.head_dim)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+                kv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """x [T, H]; kv [2, num_blocks, block_size, Hkv, D] -> [T, H]."""
+        T = x.shape[0]
+        q_len = self.num_heads * self.head_dim
+        kv_len = self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([q_len, kv_len, kv_len], dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        out = self.attn(q, k, v, kv[0], kv[1], meta)  # [T, Hq, D]
+        return self.o_proj(out.reshape(T, q_len))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ArchSpec, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.self_attn = DecoderAttention(spec, dtype)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.mlp = GatedMLP(spec.hidden_size, spec.intermediate_size, dtype)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+                kv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderLM(nn.Module):
+    """Embedding -> N decoder layers -> final norm; `compute_logits` applies the LM head."""
+
+    def __init__(self, spec: ArchSpec, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.spec = spec
+        self.embed_tokens = VocabEmbedding(spec.vocab_size, spec.hidden_size, dtype)
+        self.layers = nn.ModuleList(DecoderLayer(spec, dtype) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.lm_head = (None if spec.tie_word_embeddings
+                        else VocabEmbedding(spec.vocab_size, spec.hidden_size, dtype))
+        self.rotary = RotaryEmbedding(spec.head_dim, spec.max_position_embeddings,
+                                      torch.tensor(spec.inv_freq), spec.rope_attention_scaling)
+        for norm in self._norms():
+            norm.weight.data = norm.weight.data.to(dtype)
+            norm.weight.requires_grad_(False)
+
+    def _norms(self):
+        return [m for m in self.modules() if isinstance(m, RMSNorm)]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions [T]; kv_cache [L, 2, num_blocks, block_size, Hkv, D] -> [T, H]."""
+        x = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, positions, self.rotary, kv_cache[i], meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] -> logits [N, vocab] in float32."""
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        logits = torch.nn.functional.linear(hidden, head.weight)
+        return all_gather_last_dim(logits)[..., : self.spec.vocab_size].float()

@@ -1,0 +1,1 @@
+"""Speculative decoding: speculation modes, token trees, proposers and lossless verification."""

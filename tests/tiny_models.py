@@ -1,0 +1,69 @@
+"""Tiny random-init Hugging Face checkpoints for tests, saved to a folder once per session.
+
+All models share one vocabulary and one byte-level tokenizer built offline with `tokenizers`, so
+any of them can serve as target or draft of another.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+VOCAB = 320
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def save_tokenizer(folder: Path) -> None:
+    """A byte-level BPE with a few merges, trained on a fixed text; saved as a fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=SPECIAL,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    text = ["def add(a, b):\n    return a + b\n", "The quick brown fox jumps over the lazy dog.",
+            "héllo wörld ✓ 你好 🙂"] * 50
+    tok.train_from_iterator(text, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
+                                   pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE)
+    fast.save_pretrained(folder)
+
+
+def make_config(arch: str, **overrides):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,  # noqa: C408
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  rms_norm_eps=1e-6, eos_token_id=2, bos_token_id=None, pad_token_id=0,
+                  tie_word_embeddings=False)
+    common.update(overrides)
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[arch]
+    if arch == "mistral":
+        common.setdefault("sliding_window", None)
+    return cls(**common)
+
+
+def save_model(folder: Path, arch: str, seed: int = 0, dtype=torch.float32, **overrides) -> Path:
+    """Random-init `arch` model with the shared tokenizer, saved as safetensors."""
+    from transformers import AutoModelForCausalLM
+
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    config = make_config(arch, **overrides)
+    model = AutoModelForCausalLM.from_config(config)
+    # Larger-than-default init spreads the logits so greedy choices are not near-ties.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.08)
+    model.to(dtype).save_pretrained(folder)
+    save_tokenizer(folder)
+    return folder
