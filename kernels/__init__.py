@@ -1,8 +1,12 @@
 """Paged-KV attention and KV-cache kernels: one entry point per operation.
 
-Each function takes `impl`: "reference" runs the PyTorch code in `reference.py` (what production
-runs on CPU); "auto" picks the best implementation for the tensors' device. The Triton kernels
-land in the next commits; until then "auto" uses the reference everywhere.
+Every function takes `impl`:
+  "auto"       Triton on CUDA tensors, the PyTorch reference otherwise (what production uses).
+  "triton"     the Triton kernels; CPU tensors need TRITON_INTERPRET=1 (Triton's interpreter,
+               read at each launch, so tests can switch it per test).
+  "reference"  the PyTorch code in `reference.py`, on any device.
+
+The Triton modules are imported on first use, so CPU-only code never needs Triton.
 """
 
 from __future__ import annotations
@@ -17,14 +21,17 @@ from .reference import (
     store_kv_reference,
 )
 
-Impl = Literal["auto", "reference"]
+Impl = Literal["auto", "triton", "reference"]
 
 __all__ = ["Impl", "copy_kv_slots", "paged_attention", "store_kv"]
 
 
-def _check_impl(impl: Impl) -> None:
-    if impl not in ("auto", "reference"):
-        raise ValueError(f"unknown impl {impl!r}")
+def _use_triton(impl: Impl, tensor: torch.Tensor) -> bool:
+    if impl == "auto":
+        return tensor.is_cuda
+    if impl in ("triton", "reference"):
+        return impl == "triton"
+    raise ValueError(f"unknown impl {impl!r}; expected 'auto', 'triton' or 'reference'")
 
 
 def store_kv(
@@ -37,8 +44,12 @@ def store_kv(
     impl: Impl = "auto",
 ) -> None:
     """Write this step's K/V into their slots (`slot = block_id * block_size + offset`)."""
-    _check_impl(impl)
-    store_kv_reference(key, value, k_cache, v_cache, slot_mapping)
+    if _use_triton(impl, key):
+        from .kv_store import store_kv_triton
+
+        store_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+    else:
+        store_kv_reference(key, value, k_cache, v_cache, slot_mapping)
 
 
 def paged_attention(
@@ -54,12 +65,20 @@ def paged_attention(
     *,
     impl: Impl = "auto",
 ) -> torch.Tensor:  # [T, Hq, D]
-    """Attention of this step's queries over paged KV; see `paged_attention_reference`."""
-    _check_impl(impl)
-    return paged_attention_reference(
+    """Attention of this step's queries over paged KV; see `paged_attention_reference`.
+
+    The Triton path picks its launch shape from `max_query_len` and `local_mask`: decode
+    (max_query_len == 1), prefill (local_mask is None, causal), tree verify (otherwise).
+    """
+    args = (
         q, k_cache, v_cache, block_tables, query_start_loc, context_lens, local_mask, scale,
         max_query_len,
     )
+    if _use_triton(impl, q):
+        from .attention import paged_attention_triton
+
+        return paged_attention_triton(*args)
+    return paged_attention_reference(*args)
 
 
 def copy_kv_slots(
@@ -69,6 +88,13 @@ def copy_kv_slots(
     *,
     impl: Impl = "auto",
 ) -> None:
-    """KV compaction, all layers at once: slot dst_slots[i] gets what src_slots[i] held."""
-    _check_impl(impl)
-    copy_kv_slots_reference(kv_cache, src_slots, dst_slots)
+    """KV compaction, all layers at once: slot dst_slots[i] gets what src_slots[i] held.
+
+    Every source is read before any destination is written, so the sets may overlap.
+    """
+    if _use_triton(impl, kv_cache):
+        from .kv_store import copy_kv_slots_triton
+
+        copy_kv_slots_triton(kv_cache, src_slots, dst_slots)
+    else:
+        copy_kv_slots_reference(kv_cache, src_slots, dst_slots)

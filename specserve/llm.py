@@ -1,4 +1,4 @@
-"""Offline API: `LLM(...).generate(prompts, params)` runs every prompt through one engine, batched."""
+"""Offline API: `LLM(...).generate(prompts, params)` runs all prompts through one engine."""
 
 from __future__ import annotations
 

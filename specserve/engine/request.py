@@ -58,7 +58,8 @@ class Request:
         self.num_prefix_cached_tokens = 0  # prompt tokens served from the prefix cache
         self.num_preemptions = 0
 
-        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids) if tokenizer else None
+        self.detokenizer = (IncrementalDetokenizer(tokenizer, prompt_token_ids)
+                            if tokenizer else None)
         self.output_text = ""
         self.num_emitted_chars = 0
         self._holdback = max((len(s) for s in params.stop), default=1) - 1

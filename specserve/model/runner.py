@@ -101,7 +101,8 @@ class ModelRunner:
         mask = torch.zeros(query_start[-1], max_q, dtype=torch.bool)
         for seg, start in zip(segments, query_start):
             n = len(seg.token_ids)
-            block = seg.mask if seg.mask is not None else torch.ones(n, n, dtype=torch.bool).tril()
+            block = (seg.mask if seg.mask is not None
+                     else torch.ones(n, n, dtype=torch.bool).tril())
             mask[start:start + n, :n] = block
         return mask.to(self.device)
 

@@ -72,6 +72,23 @@ class PagedBatch:
     scale: float
     max_query_len: int
 
+    def to(self, device: str) -> PagedBatch:
+        """The same batch on `device`; the cache views stay views of the moved cache."""
+        kv_cache = self.kv_cache.to(device)
+        mask = None if self.local_mask is None else self.local_mask.to(device)
+        return PagedBatch(
+            q=self.q.to(device),
+            kv_cache=kv_cache,
+            k_cache=kv_cache[0, 0],
+            v_cache=kv_cache[0, 1],
+            block_tables=self.block_tables.to(device),
+            query_start_loc=self.query_start_loc.to(device),
+            context_lens=self.context_lens.to(device),
+            local_mask=mask,
+            scale=self.scale,
+            max_query_len=self.max_query_len,
+        )
+
     def args(self) -> tuple:
         return (
             self.q, self.k_cache, self.v_cache, self.block_tables, self.query_start_loc,
@@ -89,34 +106,45 @@ def make_batch(
     block_size: int = 16,
     seed: int = 0,
     causal_as_none: bool = False,
-    spare_blocks: int = 3,
+    kv_cache: torch.Tensor | None = None,
+    block_pool: list[int] | None = None,
 ) -> PagedBatch:
     """Build a batch whose cache holds every request's cached and new K/V, scattered over pages.
 
-    `causal_as_none` passes `local_mask=None` (every request must then be causal).
+    `causal_as_none` passes `local_mask=None` (every request must then be causal). A given
+    `kv_cache` ([1, 2, num_blocks, block_size, Hkv, D], any device) is used instead of a fresh
+    one, with the requests' blocks drawn from `block_pool`; only those blocks are touched.
     """
     gen = torch.Generator().manual_seed(seed)
     lengths = [ctx + mask.shape[0] for ctx, mask in requests]
     blocks_per_req = [-(-length // block_size) for length in lengths]
-    num_blocks = sum(blocks_per_req) + spare_blocks
+    if kv_cache is None:
+        kv_cache = torch.empty(
+            1, 2, sum(blocks_per_req) + 3, block_size, num_kv_heads, head_dim, dtype=dtype
+        )
+        block_pool = list(range(kv_cache.shape[2]))
+    assert block_pool is not None and len(block_pool) >= sum(blocks_per_req)
+    pool = torch.tensor(block_pool)[torch.randperm(len(block_pool), generator=gen)]
+    k_cache, v_cache = kv_cache[0, 0], kv_cache[0, 1]
+    # Per half: a given cache may be a view whose K and V halves share memory elsewhere.
+    for cache in (k_cache, v_cache):
+        cache[pool.to(kv_cache.device)] = float("nan")
     max_blocks = max(blocks_per_req) + 1  # one unused column: kernels must not read it
-    order = torch.randperm(num_blocks, generator=gen)  # [num_blocks]
     block_tables = torch.full((len(requests), max_blocks), -1, dtype=torch.int32)
     used = 0
     for b, nb in enumerate(blocks_per_req):
-        block_tables[b, :nb] = order[used : used + nb].to(torch.int32)
+        block_tables[b, :nb] = pool[used : used + nb].to(torch.int32)
         used += nb
 
-    kv_cache = torch.full(
-        (1, 2, num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype
-    )
-    k_cache, v_cache = kv_cache[0, 0], kv_cache[0, 1]
     for b, length in enumerate(lengths):
         pos = torch.arange(length)  # [length]
         slots = block_tables[b, pos // block_size].long() * block_size + pos % block_size
         k = torch.randn(length, num_kv_heads, head_dim, generator=gen).to(dtype)
         v = torch.randn(length, num_kv_heads, head_dim, generator=gen).to(dtype)
-        store_kv_reference(k, v, k_cache, v_cache, slots)
+        store_kv_reference(
+            k.to(kv_cache.device), v.to(kv_cache.device), k_cache, v_cache,
+            slots.to(kv_cache.device),
+        )
 
     counts = [mask.shape[0] for _, mask in requests]
     max_query_len = max(counts)
