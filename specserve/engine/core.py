@@ -95,17 +95,25 @@ class EngineCore:
     def add_request(self, prompt: str | list[int], params: SamplingParams,
                     request_id: str | None = None, speculation=None) -> Request:
         """Validate and queue a request; errors are ValueError with a clear message."""
+        req = self.make_request(prompt, params, request_id, speculation)
+        self.add(req)
+        return req
+
+    def make_request(self, prompt: str | list[int], params: SamplingParams,
+                     request_id: str | None = None, speculation=None) -> Request:
+        """Tokenize and validate without touching engine state (safe from another thread)."""
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.validate(ids, params)
         mode = (parse_speculation(speculation, self.draft is not None)
                 if speculation is not None else None)
-        req = Request(request_id, ids, params, self.eos_token_ids, self.tokenizer, mode)
-        self.requests[request_id] = req
+        return Request(request_id, ids, params, self.eos_token_ids, self.tokenizer, mode)
+
+    def add(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        self.requests[req.request_id] = req
         self.scheduler.add(req)
-        return req
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """The one place request limits are checked."""

@@ -1,0 +1,155 @@
+"""The engine thread and its asyncio face: one output stream per request, abort, shutdown.
+
+`EngineCore` is single-threaded. `AsyncEngine` runs its step loop on a dedicated thread so the
+event loop never waits on a forward pass. Requests and aborts cross into the thread through a
+command queue that is drained between steps; each step's deltas cross back in one
+`call_soon_threadsafe` call and are routed to per-request asyncio queues. A step that raises
+ends every affected stream with an error delta instead of leaving it hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+
+from ..outputs import RequestDelta
+from ..sampling import SamplingParams
+from .core import EngineCore
+from .request import Request
+
+log = logging.getLogger("specserve.engine")
+
+
+class EngineStoppedError(RuntimeError):
+    """The engine is not running (not started yet, or shut down)."""
+
+
+class RequestStream:
+    """Async iterator over one request's deltas; ends after the delta that finishes it."""
+
+    def __init__(self, engine: AsyncEngine, request: Request) -> None:
+        self.engine = engine
+        self.request_id = request.request_id
+        self.prompt_token_ids = request.prompt_token_ids
+        self.queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
+        self.finished = False
+
+    def __aiter__(self) -> AsyncIterator[RequestDelta]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[RequestDelta]:
+        while not self.finished:
+            delta = await self.queue.get()
+            self.finished = delta.finished
+            yield delta
+
+    def abort(self) -> None:
+        if not self.finished:
+            self.engine.abort(self.request_id)
+
+
+class AsyncEngine:
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+        self.tokenizer = core.tokenizer
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, RequestStream] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="specserve-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        """Abort everything in flight, stop the thread and wait for it."""
+        if self._thread is None:
+            return
+        self._stopping = True
+        self._wakeup.set()
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+        self._thread = None
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and not self._stopping
+
+    # ---- requests (called on the event loop) ----------------------------------------------
+    def add_request(self, prompt: str | list[int], params: SamplingParams,
+                    request_id: str | None = None, speculation=None) -> RequestStream:
+        """Validate (ValueError on bad input) and queue a request; returns its stream."""
+        if not self.running:
+            raise EngineStoppedError("the engine is not running")
+        req = self.core.make_request(prompt, params, request_id, speculation)
+        if req.request_id in self._streams:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        stream = RequestStream(self, req)
+        self._streams[req.request_id] = stream
+        self._send(("add", req))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request; its blocks are freed before the next step. Safe to repeat."""
+        if request_id in self._streams:
+            self._send(("abort", request_id))
+
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    def _send(self, command: tuple) -> None:
+        self._commands.put(command)
+        self._wakeup.set()
+
+    def _deliver(self, deltas: list[RequestDelta]) -> None:
+        for delta in deltas:
+            stream = self._streams.get(delta.request_id)
+            if stream is None:
+                continue
+            if delta.finished:
+                del self._streams[delta.request_id]
+            stream.queue.put_nowait(delta)
+
+    # ---- the engine thread ----------------------------------------------------------------
+    def _run(self) -> None:
+        core = self.core
+        while not self._stopping:
+            deltas = self._drain_commands()
+            if core.has_work:
+                try:
+                    deltas += core.step()
+                except Exception as exc:  # one bad step must not hang every stream
+                    log.exception("engine step failed")
+                    deltas += core.fail_all(f"engine step failed: {exc}")
+            elif not deltas:
+                self._wakeup.wait(0.05)
+                self._wakeup.clear()
+            if deltas:
+                self._loop.call_soon_threadsafe(self._deliver, deltas)
+        self._drain_commands()
+        deltas = [d for rid in list(core.requests) if (d := core.abort(rid)) is not None]
+        if deltas:
+            self._loop.call_soon_threadsafe(self._deliver, deltas)
+
+    def _drain_commands(self) -> list[RequestDelta]:
+        deltas = []
+        while True:
+            try:
+                kind, arg = self._commands.get_nowait()
+            except queue.Empty:
+                return deltas
+            if kind == "add":
+                try:
+                    self.core.add(arg)
+                except ValueError as exc:
+                    deltas.append(RequestDelta(arg.request_id, [], "", finish_reason="error",
+                                               error=str(exc)))
+            elif (delta := self.core.abort(arg)) is not None:
+                deltas.append(delta)
