@@ -16,6 +16,7 @@ CLI::
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -64,21 +65,31 @@ def validation_loss(model: torch.nn.Module, windows: torch.Tensor, batch_size: i
     return total / count
 
 
+def _cache_kwarg(model: torch.nn.Module) -> str:
+    """Name of the KV-cache argument: transformers 5.2x renamed ``past_key_values`` to ``cache``."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _returned_cache(out: object) -> object:
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
+
+
 @torch.inference_mode()
 def greedy_generate(model: torch.nn.Module, prompt_ids: Sequence[int], max_new_tokens: int,
                     eos_token_id: int | None) -> list[int]:
     """Greedy continuation with a KV cache; stops after EOS (included) or ``max_new_tokens``."""
-    ids = torch.tensor([list(prompt_ids)])
-    out = model(input_ids=ids, use_cache=True)
-    past = out.past_key_values
+    cache_kw = _cache_kwarg(model)
+    out = model(input_ids=torch.tensor([list(prompt_ids)]), use_cache=True)
     tokens: list[int] = []
     for _ in range(max_new_tokens):
         nxt = int(out.logits[0, -1].argmax())
         tokens.append(nxt)
         if nxt == eos_token_id or len(tokens) == max_new_tokens:
             break
-        out = model(input_ids=torch.tensor([[nxt]]), past_key_values=past, use_cache=True)
-        past = out.past_key_values
+        out = model(input_ids=torch.tensor([[nxt]]), use_cache=True,
+                    **{cache_kw: _returned_cache(out)})
     return tokens
 
 
