@@ -40,6 +40,8 @@ _MAX_FILE_BYTES = 250_000
 _MAX_SOURCE_LINES = 40
 _MAX_ANSWER_CHARS = 700
 
+_FUNCTION_NODES = (ast.FunctionDef, ast.AsyncFunctionDef)
+
 SYSTEM_PROMPT = "You are a helpful assistant that knows the Python standard library."
 
 
@@ -178,7 +180,7 @@ def _qa_for_class(qual: str, node: ast.ClassDef) -> list[tuple[str, str]]:
     if doc and _first_paragraph(doc):
         pairs.append((f"What is the `{qual}` class?", _first_paragraph(doc)))
     methods = [n.name for n in node.body
-               if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and not n.name.startswith("_")]
+               if isinstance(n, _FUNCTION_NODES) and not n.name.startswith("_")]
     if methods:
         listed = ", ".join(f"`{m}`" for m in methods[:12])
         pairs.append((f"Which public methods does `{qual}` have?",
@@ -200,7 +202,7 @@ def module_qa(module: Module, rng: random.Random) -> list[tuple[str, str]]:
                                   f"What does the `{module.name}` module do?"]),
                       _first_paragraph(doc)))
     for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not node.name.startswith("_"):
+        if isinstance(node, _FUNCTION_NODES) and not node.name.startswith("_"):
             qual = f"{module.name}.{node.name}"
             pairs += _qa_for_function(qual, node, lines, rng)
             pairs.append((f"Where is `{node.name}` defined?",
@@ -210,7 +212,7 @@ def module_qa(module: Module, rng: random.Random) -> list[tuple[str, str]]:
             qual = f"{module.name}.{node.name}"
             pairs += _qa_for_class(qual, node)
             for sub in node.body:
-                if (isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef))
+                if (isinstance(sub, _FUNCTION_NODES)
                         and not sub.name.startswith("_") and ast.get_docstring(sub)):
                     pairs += _qa_for_function(f"{qual}.{sub.name}", sub, lines, rng)
     return pairs
