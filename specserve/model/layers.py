@@ -80,6 +80,7 @@ class ColumnParallelLinear(nn.Module):
         """Copy this rank's rows of logical sub-matrix `shard` from the full checkpoint tensor."""
         size = self.shard_sizes[shard]
         offset = sum(self.shard_sizes[:shard])
+        _expect_shape(loaded, (size * tp_world_size(), *param.shape[1:]))
         rows = loaded.narrow(0, tp_rank() * size, size)
         _checked_copy(param.data.narrow(0, offset, size), rows)
 
@@ -100,6 +101,7 @@ class RowParallelLinear(nn.Module):
                                    requires_grad=False)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:
+        _expect_shape(loaded, (param.shape[0], self.shard_size * tp_world_size()))
         cols = loaded.narrow(1, tp_rank() * self.shard_size, self.shard_size)
         _checked_copy(param.data, cols)
 
@@ -120,6 +122,7 @@ class VocabEmbedding(nn.Module):
                                    requires_grad=False)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:
+        _expect_shape(loaded, (self.vocab_size, param.shape[1]))
         rows = loaded[self.vocab_start:self.vocab_start + self.shard_size]
         _checked_copy(param.data[: rows.shape[0]], rows)
 
@@ -130,6 +133,12 @@ class VocabEmbedding(nn.Module):
         outside = (local < 0) | (local >= self.shard_size)
         out = F.embedding(local.clamp(0, self.shard_size - 1), self.weight)
         return all_reduce_sum(out.masked_fill(outside.unsqueeze(-1), 0))
+
+
+def _expect_shape(loaded: torch.Tensor, shape: tuple[int, ...]) -> None:
+    """Check the full (unsliced) checkpoint tensor before taking this rank's slice of it."""
+    if tuple(loaded.shape) != tuple(shape):
+        raise ValueError(f"shape mismatch: expected {tuple(shape)}, got {tuple(loaded.shape)}")
 
 
 def _checked_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
