@@ -14,43 +14,29 @@ from dataclasses import dataclass
 import torch
 from specserve.kernels.reference import store_kv_reference
 
+from specserve.spec.tree import build_tree_buffers, paths_to_parents
+
 Request = tuple[int, torch.Tensor]  # (context_len, local_mask [n, n] bool)
 
 STATIC_TREE = [[0], [1], [0, 0], [0, 1], [1, 0]]
 
 
-def tree_mask_from_parents(parents: list[int]) -> torch.Tensor:  # [n, n] bool
-    """Node i sees node j iff j is i or an ancestor of i (parents[root] = -1, parent < child)."""
-    n = len(parents)
-    mask = torch.eye(n, dtype=torch.bool)  # [n, n]
-    for i, parent in enumerate(parents):
-        if parent >= 0:
-            mask[i] |= mask[parent]
-    return mask
-
-
 def tree_mask_from_paths(paths: list[list[int]]) -> torch.Tensor:  # [1 + len(paths), same] bool
-    """Root (node 0, the last committed token) plus one node per child-index path."""
-    index = {(): 0}
-    parents = [-1]
-    for path in sorted(paths, key=len):
-        index[tuple(path)] = len(parents)
-        parents.append(index[tuple(path[:-1])])
-    return tree_mask_from_parents(parents)
+    """Tree buffers of a static (Medusa-style) shape: root plus one node per child-index path."""
+    return build_tree_buffers(paths_to_parents(paths)).tree_mask
 
 
 def chain_mask(n: int) -> torch.Tensor:  # [n, n] bool
-    """A chain of n nodes (root included) is plain causal attention."""
-    return torch.ones(n, n, dtype=torch.bool).tril()
+    """Tree buffers of a chain of n nodes (root included): plain causal attention."""
+    return build_tree_buffers([-1] + list(range(n - 1))).tree_mask
 
 
 def random_tree_mask(n: int, generator: torch.Generator) -> torch.Tensor:  # [n, n] bool
-    """A dynamic-tree shape: each node hangs off a random earlier node, biased to recent ones."""
+    """Tree buffers of a dynamic-tree shape: each node hangs off one of the 4 nodes before it."""
     parents = [-1]
     for i in range(1, n):
-        lo = max(0, i - 4)
-        parents.append(int(torch.randint(lo, i, (1,), generator=generator)))
-    return tree_mask_from_parents(parents)
+        parents.append(int(torch.randint(max(0, i - 4), i, (1,), generator=generator)))
+    return build_tree_buffers(parents).tree_mask
 
 
 def causal(n: int) -> torch.Tensor:  # [n, n] bool

@@ -31,6 +31,8 @@ from specserve.kernels.reference import (  # noqa: E402
     store_kv_reference,
 )
 
+from specserve.spec.tree import STATIC_TREES  # noqa: E402
+
 DECODE = torch.ones(1, 1, dtype=torch.bool)
 
 # (head_dim, num_q_heads, num_kv_heads, dtype): GQA ratios 1, 4 and 8.
@@ -81,16 +83,14 @@ def test_mixed_batch(device: str, shape: tuple, num_splits: int | None):
     check_attention(batch, device, num_splits)
 
 
-@pytest.mark.parametrize(
-    "tree",
-    ["chain", "static", "dynamic"],
-)
+@pytest.mark.parametrize("tree", ["chain", "static", "shipped-medium", "dynamic"])
 def test_tree_verify(device: str, tree: str):
-    """Trees from tree buffers over a context crossing many pages, split-K on."""
+    """Tree buffers (spec.tree) over a context crossing many pages, split-K on."""
     gen = torch.Generator().manual_seed(2)
     mask = {
         "chain": chain_mask(8),
         "static": tree_mask_from_paths(STATIC_TREE),
+        "shipped-medium": tree_mask_from_paths(STATIC_TREES["medium"]),
         "dynamic": random_tree_mask(32, gen),
     }[tree]
     batch = make_batch(
