@@ -1,0 +1,154 @@
+"""The starlette app: routes, the engine's lifespan, and the uvicorn settings it runs under.
+
+`create_app(engine)` wires an `AsyncEngine` (already loaded, not started) to the routes; the
+app's lifespan starts the engine thread and stops it, aborting whatever is still running.
+`uvicorn_config` holds the server settings in one place, for `specserve serve` and the tests:
+uvloop, the `websockets` library's sans-I/O implementation, and no per-message deflate (token
+frames are a few dozen bytes; compressing them costs CPU and saves nothing).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import orjson
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import FileResponse, Response
+from starlette.routing import Mount, Route, WebSocketRoute
+from starlette.staticfiles import StaticFiles
+from starlette.websockets import WebSocket
+
+from ..engine.async_engine import AsyncEngine
+from . import openai_api
+from .auth import (
+    SUBPROTOCOL,
+    WS_CLOSE_BAD_SUBPROTOCOL,
+    WS_CLOSE_UNAUTHORIZED,
+    Guard,
+    GuardMiddleware,
+)
+from .limits import ServerLimits
+from .metrics import CONTENT_TYPE, ServerMetrics
+from .ws import Session
+
+STATIC_DIR = Path(__file__).resolve().parent / "static"
+
+
+@dataclass
+class ServerState:
+    """What every route needs; stored on `app.state.server`."""
+
+    engine: AsyncEngine
+    model_name: str
+    model_root: str
+    limits: ServerLimits
+    guard: Guard
+    metrics: ServerMetrics
+    created: int
+
+
+def default_model_name(engine: AsyncEngine) -> str:
+    target = Path(engine.core.config.target)
+    if target.name == "target" and target.parent.name == "demo":
+        return "specserve-demo"
+    return target.name
+
+
+def create_app(engine: AsyncEngine, *, api_key: str | None = None,
+               allowed_origins: Iterable[str] | None = None, model_name: str | None = None,
+               limits: ServerLimits | None = None,
+               static_dir: str | Path | None = None) -> Starlette:
+    """The app for one engine. The engine starts and stops with the app's lifespan."""
+    name = model_name or default_model_name(engine)
+    guard = Guard(api_key, allowed_origins)
+    state = ServerState(engine=engine, model_name=name,
+                        model_root=str(engine.core.config.target),
+                        limits=limits or ServerLimits.for_engine(engine), guard=guard,
+                        metrics=ServerMetrics(engine, name), created=int(time.time()))
+    static = Path(static_dir) if static_dir is not None else STATIC_DIR
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await engine.start()
+        try:
+            yield
+        finally:
+            await engine.shutdown()
+
+    async def index(request: Request) -> Response:
+        return FileResponse(static / "index.html")
+
+    routes = [
+        Route("/health", health),
+        Route("/metrics", metrics),
+        Route("/v1/models", openai_api.list_models),
+        Route("/v1/chat/completions", openai_api.chat_completions, methods=["POST"]),
+        Route("/v1/completions", openai_api.completions, methods=["POST"]),
+        WebSocketRoute("/v1/ws", websocket_endpoint),
+        Route("/", index),
+        Mount("/static", StaticFiles(directory=static, check_dir=False), name="static"),
+    ]
+    app = Starlette(routes=routes, middleware=[Middleware(GuardMiddleware, guard=guard)],
+                    lifespan=lifespan)
+    app.state.server = state
+    return app
+
+
+async def health(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    running = state.engine.running
+    body = {"status": "ok" if running else "unavailable", "model": state.model_name,
+            "auth_required": state.guard.auth_required,
+            "requests_in_flight": state.engine.num_in_flight()}
+    return Response(orjson.dumps(body), 200 if running else 503, media_type="application/json")
+
+
+async def metrics(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+
+async def websocket_endpoint(websocket: WebSocket) -> None:
+    state: ServerState = websocket.app.state.server
+    guard = state.guard
+    if not guard.origin_ok(websocket.headers):
+        await websocket.close(code=1008)  # before accept: the handshake is refused with 403
+        return
+    offered = websocket.scope.get("subprotocols", [])
+    if SUBPROTOCOL not in offered:
+        # Accept, then close with a code: a browser can see a close code, not an HTTP status.
+        await websocket.accept()
+        await websocket.close(WS_CLOSE_BAD_SUBPROTOCOL, f"offer subprotocol {SUBPROTOCOL}")
+        return
+    await websocket.accept(subprotocol=SUBPROTOCOL)
+    if not guard.ws_key_ok(websocket.headers, offered):
+        await websocket.close(WS_CLOSE_UNAUTHORIZED, "invalid or missing API key")
+        return
+    await Session(websocket, state).run()
+
+
+def uvicorn_config(app: Starlette, host: str = "127.0.0.1", port: int = 8000,
+                   log_level: str = "info", **overrides):
+    """The uvicorn settings specserve runs under (the CLI and the tests share them)."""
+    import uvicorn
+
+    state: ServerState = app.state.server
+    try:
+        import uvloop  # noqa: F401
+        loop = "uvloop"
+    except ImportError:  # Windows
+        loop = "asyncio"
+    options = dict(host=host, port=port, loop=loop, ws="websockets-sansio",  # noqa: C408
+                   ws_per_message_deflate=False, lifespan="on", log_level=log_level,
+                   # The session answers frames over the limit with an error event; only
+                   # frames far beyond it are cut off by the protocol layer (close 1009).
+                   ws_max_size=4 * state.limits.max_message_bytes,
+                   timeout_graceful_shutdown=5)
+    options.update(overrides)
+    return uvicorn.Config(app, **options)
