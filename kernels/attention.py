@@ -229,14 +229,18 @@ def _launch_config(
 ) -> LaunchConfig:
     # tl.dot needs at least 16 rows; a tile must hold at least one query's whole head group.
     min_m = max(16, triton.next_power_of_2(group))
+    # fp32 tiles take twice the registers, and exact fp32 dots run on FMA units, not tensor
+    # cores: halve the tiles so they do not spill.
+    fp32 = dtype == torch.float32
+    block_n = 32 if fp32 else 64
     if max_query_len == 1:
-        return LaunchConfig("decode", block_m=min_m, block_n=64, num_warps=4)
-    wide = dtype != torch.float32  # fp32 tiles take twice the registers
+        return LaunchConfig("decode", block_m=min_m, block_n=block_n, num_warps=8 if fp32 else 4)
     if has_mask:
-        return LaunchConfig("tree", block_m=max(min_m, 64), block_n=64, num_warps=4)
+        return LaunchConfig(
+            "tree", block_m=max(min_m, 32 if fp32 else 64), block_n=block_n, num_warps=8
+        )
     return LaunchConfig(
-        "prefill", block_m=max(min_m, 128 if wide else 64), block_n=64 if wide else 32,
-        num_warps=8 if wide else 4,
+        "prefill", block_m=max(min_m, 64 if fp32 else 128), block_n=block_n, num_warps=8
     )
 
 
