@@ -116,7 +116,8 @@ def distill(target: torch.nn.Module, draft_config: LlamaConfig, batches: Iterato
 def tokenize_texts(tokenizer, texts: Sequence[str]) -> torch.Tensor:
     """One token stream from raw texts, each followed by the tokenizer's EOS (if it has one)."""
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    ids = tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+    # verbose=False: documents longer than the context are expected; windows cut them later.
+    ids = tokenizer(list(texts), add_special_tokens=False, verbose=False)["input_ids"]
     return concat_stream([t + eos for t in ids])
 
 
