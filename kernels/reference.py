@@ -19,14 +19,14 @@ Prompt chunks (causal), token trees (tree mask) and single decode tokens are the
 different `local_mask` rows, so one function serves them all.
 
 The functions here favour being obviously correct: every index goes through `block // size,
-offset % size` tensor indexing (any strides work), and attention is one dense
-`scaled_dot_product_attention` per request in fp32. The per-request loop is the only Python loop.
+offset % size` tensor indexing (any strides work), and attention is a dense masked softmax per
+request in fp32, with the query heads of each KV head folded into one matmul. The loops run
+over requests (and over 256-row slices of long prompt chunks), never over tokens.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 
 def store_kv_reference(
@@ -88,10 +88,10 @@ def paged_attention_reference(
 
     Query row t (request b, local index i) sees logical positions [0, context_lens[b]) and
     context_lens[b] + j for each j with local_mask[t, j] (j <= i when local_mask is None).
-    Scores and softmax are computed in fp32; the output has q's dtype.
+    Scores and softmax are computed in fp32; the output has q's dtype. Rows past
+    query_start_loc[-1] are left unspecified.
     """
     del max_query_len  # the slices below read each request's own query count
-    num_q_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     out = torch.empty_like(q)  # [T, Hq, D]
     # One host copy of the (small) metadata instead of a sync per request.
     starts = query_start_loc.tolist()
@@ -102,20 +102,50 @@ def paged_attention_reference(
         if n == 0:
             continue
         length = ctx + n
-        k = gather_request_kv(k_cache, block_tables[b], length)  # [length, Hkv, D]
-        v = gather_request_kv(v_cache, block_tables[b], length)  # [length, Hkv, D]
-        mask = torch.ones(n, length, dtype=torch.bool, device=q.device)  # [n, length]
+        k = gather_request_kv(k_cache, block_tables[b], length).float()  # [length, Hkv, D]
+        v = gather_request_kv(v_cache, block_tables[b], length).float()  # [length, Hkv, D]
         if local_mask is None:
-            mask[:, ctx:] = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+            new_mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()  # [n, n]
         else:
-            mask[:, ctx:] = local_mask[start:end, :n]
-        attn = F.scaled_dot_product_attention(
-            q[start:end].transpose(0, 1).float(),  # [Hq, n, D]
-            k.transpose(0, 1).float(),  # [Hkv, length, D]
-            v.transpose(0, 1).float(),  # [Hkv, length, D]
-            attn_mask=mask,
-            scale=scale,
-            enable_gqa=num_q_heads != num_kv_heads,
-        )  # [Hq, n, D]
-        out[start:end] = attn.transpose(0, 1).to(q.dtype)
+            new_mask = local_mask[start:end, :n]  # [n, n]
+        # Long prompt chunks go in slices of query rows so the scores stay small.
+        for lo in range(0, n, QUERY_CHUNK):
+            hi = min(lo + QUERY_CHUNK, n)
+            out[start + lo : start + hi] = _grouped_attention(
+                q[start + lo : start + hi].float(), k, v, new_mask[lo:hi], ctx, scale
+            ).to(q.dtype)
     return out
+
+
+# Query rows per dense product: scores take Hq * QUERY_CHUNK * context floats.
+QUERY_CHUNK = 256
+
+
+def _grouped_attention(
+    q: torch.Tensor,  # [n, Hq, D] fp32
+    k: torch.Tensor,  # [L, Hkv, D] fp32
+    v: torch.Tensor,  # [L, Hkv, D] fp32
+    new_mask: torch.Tensor,  # [n, L - context_len] bool: which new positions each row sees
+    context_len: int,
+    scale: float,
+) -> torch.Tensor:  # [n, Hq, D] fp32
+    """Dense masked softmax attention, query heads grouped under their KV head.
+
+    Query head h uses KV head h // group. Folding the group into the rows of one matmul per KV
+    head never copies K or V per query head. (On CPU this is also far cheaper than
+    `scaled_dot_product_attention` with a boolean mask and GQA: ~0.2 ms against ~5 ms for one
+    decode query over 1k positions.)
+    """
+    n, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    group = num_q_heads // num_kv_heads
+    rows = q.view(n, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [Hkv, G, n, D]
+    rows = rows.reshape(num_kv_heads, group * n, head_dim)  # [Hkv, G * n, D]
+    scores = torch.bmm(rows, k.permute(1, 2, 0)) * scale  # [Hkv, G * n, L]
+    scores = scores.view(num_kv_heads, group, n, -1)  # [Hkv, G, n, L]
+    scores[..., context_len:].masked_fill_(~new_mask, float("-inf"))
+    probs = scores.softmax(-1).view(num_kv_heads, group * n, -1)  # [Hkv, G * n, L]
+    out = torch.bmm(probs, v.transpose(0, 1))  # [Hkv, G * n, D]
+    return out.view(num_kv_heads, group, n, head_dim).permute(2, 0, 1, 3).reshape(
+        n, num_q_heads, head_dim
+    )
