@@ -1,13 +1,17 @@
 """Launch helpers shared by the Triton kernels.
 
 `triton.jit` decides at decoration time (module import) whether a kernel is compiled for the GPU
-or run by Triton's CPU interpreter, from `TRITON_INTERPRET`. That ties the whole process to one
-mode: a test run that imports the kernels once cannot check them both on CPU tensors and on the
-GPU, and whoever imports first decides for everyone. `kernel` keeps both forms of the function
-and reads `TRITON_INTERPRET` at each launch instead, so tests can switch it with
-`monkeypatch.setenv` and nothing leaks between test modules.
+or run by Triton's CPU interpreter, from `TRITON_INTERPRET`; whoever imports a kernel module
+first would decide for the whole process. `kernel` keeps both forms of each kernel and reads
+`TRITON_INTERPRET` at each launch instead, so a test can turn the interpreter on for itself
+with `monkeypatch.setenv` and compiled GPU launches stay compiled.
 
-The interpreter form uses `triton.runtime.interpreter.InterpretedFunction`, the class that
+One thing stays process-wide: Triton's own library functions (`tl.max`, `tl.sum`, `tl.cdiv`,
+...) are themselves `@triton.jit` functions, fixed when `triton.language` is first imported.
+Interpreted launches need that import to have happened under TRITON_INTERPRET=1, compiled ones
+without it (tests/kernels/conftest.py arranges this for the tests).
+
+The interpreter form is `triton.runtime.interpreter.InterpretedFunction`, the class that
 `triton.jit` itself returns under `TRITON_INTERPRET=1`.
 """
 
