@@ -34,6 +34,7 @@ from specserve.kernels.reference import (  # noqa: E402
 from specserve.spec.tree import STATIC_TREES  # noqa: E402
 
 DECODE = torch.ones(1, 1, dtype=torch.bool)
+NO_QUERIES = torch.ones(0, 0, dtype=torch.bool)  # a request with nothing scheduled this step
 
 # (head_dim, num_q_heads, num_kv_heads, dtype): GQA ratios 1, 4 and 8.
 SHAPES = [
@@ -66,13 +67,14 @@ def check_attention(batch: PagedBatch, device: str, num_splits: int | None) -> N
 @pytest.mark.parametrize("num_splits", [None, 3])
 @pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
 def test_mixed_batch(device: str, shape: tuple, num_splits: int | None):
-    """Prompt chunk after cached tokens + every tree kind + a decode token, one tree launch."""
+    """Prompt chunk after cached tokens, every tree kind, a decode token, an idle request."""
     head_dim, num_q_heads, num_kv_heads, dtype = shape
     gen = torch.Generator().manual_seed(1)
     requests = [
         (37, causal(20)),
         (50, tree_mask_from_paths(STATIC_TREE)),
         (70, DECODE),
+        (12, NO_QUERIES),
         (33, random_tree_mask(9, gen)),
         (16, chain_mask(5)),
     ]
