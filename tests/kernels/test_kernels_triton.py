@@ -199,9 +199,10 @@ def test_offsets_past_int32(device: str):
             requests, num_q_heads=4, num_kv_heads=1, head_dim=64, dtype=torch.bfloat16,
             kv_cache=kv_cache, block_pool=usable, seed=6,
         )
-        expected = paged_attention_reference(*batch.args()).cpu()
+        on_device = batch.to(device)  # the cache already lives there; the metadata moves
+        expected = paged_attention_reference(*on_device.args()).cpu()
         for num_splits in (1, 2):
-            out = paged_attention_triton(*batch.to(device).args(), num_splits=num_splits)
+            out = paged_attention_triton(*on_device.args(), num_splits=num_splits)
             torch.testing.assert_close(out.cpu(), expected, **tolerance(torch.bfloat16))
 
     k_cache, v_cache = kv_cache[0, 0], kv_cache[0, 1]
