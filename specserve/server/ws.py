@@ -275,7 +275,8 @@ class Session:
                              "session.defaults.max_output_tokens", event.event_id)
             return
         self.defaults = defaults
-        await self.send({"type": "session.updated", "session": self._session_object()})
+        await self.send({"type": "session.updated", "event_id": event.event_id,
+                         "session": self._session_object()})
 
     async def _pump(self, rid: str, flight: _InFlight, n_prompt: int,
                     spec_events: bool) -> None:
