@@ -124,6 +124,10 @@ export class ChatController extends EventTarget {
           this.live.refresh();
         }
         break;
+      case "response.created":
+        // The mode that actually runs (the server's default when speculation is on).
+        if (mine) active.msg.speculation = event.response?.speculation;
+        break;
       case "response.done":
         if (mine) this.finish(event);
         break;
@@ -131,7 +135,7 @@ export class ChatController extends EventTarget {
         this.onError(event, mine);
         break;
       default:
-        break; // session.created, response.created, pong: nothing to show
+        break; // session.created, pong: nothing to show
     }
   }
 
@@ -158,6 +162,7 @@ export class ChatController extends EventTarget {
     const { conv, msg, reply } = this.active;
     reply.finish(done);
     msg.status = reply.status;
+    if (reply.reason) msg.reason = reply.reason;
     if (done.error?.message) msg.error = done.error.message;
     msg.content = reply.text;
     msg.draft = reply.marks;

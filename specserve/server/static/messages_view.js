@@ -22,11 +22,21 @@ export class MessagesView {
     this.elements = new Map(); // message object -> its <article>
     this.pending = new Set();
     this.frame = null;
-    this.followBottom = true;
+    // When the view itself shrinks (a banner appears above it), keep the end in sight if it
+    // was: `pinned` is where the reader was at the last scroll.
+    this.pinned = true;
     container.addEventListener("scroll", () => {
-      const gap = container.scrollHeight - container.scrollTop - container.clientHeight;
-      this.followBottom = gap < 40;
+      this.pinned = this.atBottom();
     });
+    new ResizeObserver(() => {
+      if (this.pinned) this.scrollToEnd();
+    }).observe(container);
+  }
+
+  /** Whether the view shows the end of the conversation (so it should keep following it). */
+  atBottom() {
+    const c = this.container;
+    return c.scrollHeight - c.scrollTop - c.clientHeight < 40;
   }
 
   setShowDraft(on) {
@@ -47,14 +57,12 @@ export class MessagesView {
       nodes.push(empty);
     }
     this.container.replaceChildren(...nodes);
-    this.followBottom = true;
     this.scrollToEnd();
   }
 
   append(msg) {
     this.container.querySelector(".empty")?.remove();
     this.container.appendChild(this.build(msg));
-    this.followBottom = true;
     this.scrollToEnd();
   }
 
@@ -83,16 +91,19 @@ export class MessagesView {
     cancelAnimationFrame(this.frame);
     clearTimeout(this.frameTimeout);
     this.frame = null;
+    // Follow the stream only if the reader was at the end; someone reading further up stays put.
+    const follow = this.atBottom();
     for (const msg of this.pending) {
       const article = this.elements.get(msg);
       if (article) this.fill(article, msg);
     }
     this.pending.clear();
-    this.scrollToEnd();
+    if (follow) this.scrollToEnd();
   }
 
   scrollToEnd() {
-    if (this.followBottom) this.container.scrollTop = this.container.scrollHeight;
+    this.container.scrollTop = this.container.scrollHeight;
+    this.pinned = true;
   }
 
   build(msg) {
@@ -171,13 +182,15 @@ export class MessagesView {
 function footText(msg) {
   if (msg.role !== "assistant" || !msg.status || msg.status === "streaming") return "";
   const parts = [];
-  const status = STATUS_TEXT[msg.status] ?? msg.status;
+  const status = msg.reason === "server_shutdown" ? "cancelled: the server shut down"
+    : STATUS_TEXT[msg.status] ?? msg.status;
   if (status) parts.push(status);
   if (msg.error) parts.push(msg.error);
-  if (msg.metrics) {
+  if (msg.metrics && msg.metrics.tokens > 0) {
     const s = formatStats(msg.metrics);
     parts.push(`${s.tokens} tokens`, `${s.tokensPerS} tok/s`, `TTFT ${s.ttft}`,
                `acceptance length ${s.acceptance}`);
   }
+  if (msg.speculation) parts.push(`speculation ${msg.speculation}`);
   return parts.join(" · ");
 }

@@ -1,10 +1,11 @@
 // Live numbers for one streaming reply, computed from the deltas as they arrive, and replaced
 // by the server's own metrics when `response.done` comes.
 //
-// Acceptance length is exact from the deltas alone: every target forward commits exactly one
-// token that is not an accepted draft token (the first token after prefill, or the bonus /
-// recovered token of a step), so forwards = tokens - accepted draft tokens. That stays true
-// even if the server merges several steps into one delta.
+// Acceptance length (tokens per target forward while decoding, as the server defines it) is
+// exact from the deltas alone: every target forward commits exactly one token that is not an
+// accepted draft token (the bonus or recovered token), so forwards = tokens - accepted draft
+// tokens. The first delta comes from the forward that finished the prompt and is left out,
+// like the server does.
 
 export class LiveStats {
   constructor(now = performance.now()) {
@@ -12,20 +13,21 @@ export class LiveStats {
     this.firstAt = null;
     this.lastAt = null;
     this.tokens = 0;
-    this.firstTokens = 0;
-    this.draftAccepted = 0;
+    this.decodeTokens = 0;
+    this.decodeDraft = 0;
     this.final = null; // the server's metrics once the reply is done
   }
 
   addDelta(nTokens, nDraftAccepted, now = performance.now()) {
     if (nTokens <= 0) return;
-    if (this.firstAt === null) {
-      this.firstAt = now;
-      this.firstTokens = nTokens;
-    }
     this.lastAt = now;
     this.tokens += nTokens;
-    this.draftAccepted += Math.min(nDraftAccepted || 0, nTokens);
+    if (this.firstAt === null) {
+      this.firstAt = now;
+      return;
+    }
+    this.decodeTokens += nTokens;
+    this.decodeDraft += Math.min(nDraftAccepted || 0, nTokens);
   }
 
   finish(metrics, usage) {
@@ -43,12 +45,11 @@ export class LiveStats {
     if (tokensPerS === null && this.firstAt !== null) {
       const end = this.final ? this.lastAt : now;
       const seconds = (end - this.firstAt) / 1000;
-      const decoded = this.tokens - this.firstTokens;
-      tokensPerS = seconds > 0 && decoded > 0 ? decoded / seconds : null;
+      tokensPerS = seconds > 0 && this.decodeTokens > 0 ? this.decodeTokens / seconds : null;
     }
-    const forwards = this.tokens - this.draftAccepted;
+    const forwards = this.decodeTokens - this.decodeDraft;
     const acceptanceLength = f.acceptance_length ??
-      (forwards > 0 ? this.tokens / forwards : null);
+      (forwards > 0 ? this.decodeTokens / forwards : null);
     return {
       ttftMs,
       tokensPerS,
