@@ -20,6 +20,10 @@ export class SettingsPanel {
       temperature: doc.getElementById("temperature-value"),
       topP: doc.getElementById("top-p-value"),
     };
+    // Browsers without plaintext-only editing get plain contenteditable; we read innerText.
+    if (this.fields.systemPrompt.contentEditable !== "plaintext-only") {
+      this.fields.systemPrompt.contentEditable = "true";
+    }
     this.fill();
 
     this.toggleButton.addEventListener("click", () => this.setOpen(this.panel.hidden));
@@ -36,7 +40,7 @@ export class SettingsPanel {
   fill() {
     const s = this.settings;
     const f = this.fields;
-    f.systemPrompt.value = s.systemPrompt;
+    f.systemPrompt.textContent = s.systemPrompt;
     f.temperature.value = String(s.temperature);
     f.topP.value = String(s.topP);
     f.maxTokens.value = s.maxTokens === null ? "" : String(s.maxTokens);
@@ -53,7 +57,7 @@ export class SettingsPanel {
   read(name) {
     const input = this.fields[name];
     const s = this.settings;
-    if (name === "systemPrompt") s.systemPrompt = input.value;
+    if (name === "systemPrompt") s.systemPrompt = input.innerText.replace(/\n$/, "");
     if (name === "temperature") s.temperature = Number(input.value);
     if (name === "topP") s.topP = Number(input.value);
     if (name === "speculation") s.speculation = input.checked;
