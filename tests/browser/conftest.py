@@ -52,8 +52,15 @@ def chromium():
 
 @pytest.fixture
 def new_page(chromium):
-    """Open pages in a fresh context (empty local storage); page errors fail the test."""
-    contexts, errors = [], []
+    """Open pages in a fresh context (empty local storage).
+
+    Fails the test on an uncaught page error, or on any request that leaves 127.0.0.1: the
+    page must work offline.
+    """
+    contexts, errors, remote = [], [], []
+
+    def local(url: str) -> bool:
+        return url.startswith(("http://127.0.0.1:", "ws://127.0.0.1:", "data:"))
 
     def open_page(url: str | None = None):
         context = chromium.new_context(viewport=VIEWPORT)
@@ -61,6 +68,8 @@ def new_page(chromium):
         page = context.new_page()
         page.set_default_timeout(15_000)
         page.on("pageerror", lambda exc: errors.append(str(exc)))
+        page.on("request", lambda req: None if local(req.url) else remote.append(req.url))
+        page.on("websocket", lambda ws: None if local(ws.url) else remote.append(ws.url))
         if url is not None:
             page.goto(url)
         return page
@@ -70,6 +79,7 @@ def new_page(chromium):
         with contextlib.suppress(Exception):
             context.close()
     assert not errors, f"uncaught errors in the page: {errors}"
+    assert not remote, f"the page reached beyond the server: {remote}"
 
 
 @pytest.fixture(scope="session")

@@ -46,10 +46,11 @@ def _engine_idle_after(server):
     server.wait_idle()
 
 
-def expected_reply(reference: LLM, user_text: str, max_tokens: int):
-    ids = reference.tokenizer.apply_chat_template([{"role": "user", "content": user_text}],
-                                                  add_generation_prompt=True, tokenize=True,
-                                                  return_dict=False)
+def expected_reply(reference: LLM, user_text: str, max_tokens: int, system: str | None = None):
+    messages = [{"role": "system", "content": system}] if system else []
+    messages.append({"role": "user", "content": user_text})
+    ids = reference.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                  tokenize=True, return_dict=False)
     return reference.generate([ids], SamplingParams(temperature=0, max_tokens=max_tokens))[0]
 
 
@@ -72,6 +73,9 @@ RECORD_LENGTHS = """() => {
 def test_reply_streams_in_and_matches_the_engine(server, reference, new_page, artifacts):
     chat = ChatPage(new_page(server.url)).wait_connected()
     page = chat.page
+    # The public contract: one <textarea>, the message box.
+    expect(page.locator("textarea")).to_have_count(1)
+    expect(page.locator("textarea")).to_have_attribute("id", "prompt")
     chat.set_sampling(greedy=True, max_tokens=48)
 
     # Shift+Enter makes a new line and sends nothing; Enter sends.
@@ -181,14 +185,19 @@ def test_regenerate_new_chat_and_local_storage(server, new_page):
     expect(page.locator("article")).to_have_count(2)
 
 
-def test_speculation_off_marks_no_draft_tokens(server, new_page):
+def test_system_prompt_and_speculation_off(server, reference, new_page):
     chat = ChatPage(new_page(server.url)).wait_connected()
     page = chat.page
     chat.set_sampling(greedy=True, max_tokens=12)
     page.click("#settings-toggle")
+    page.locator("#system-prompt").fill("Be brief.")
     page.uncheck("#speculation")
     page.click("#settings-toggle")
     chat.send("hi")
     reply = chat.wait_reply_finished()
+    # Target-only decoding: nothing to mark, one token per forward, and the system prompt
+    # reached the chat template.
     assert reply.locator(".tok-draft").count() == 0
     assert page.text_content("#stat-accept") == "1.00"
+    expect(reply.locator(".msg-foot")).to_contain_text("speculation off")
+    assert chat.raw_text(reply) == expected_reply(reference, "hi", 12, system="Be brief.").text
