@@ -313,3 +313,23 @@ def test_missing_subprotocol_is_closed_with_4400(server):
             return info.value.rcvd.code
 
     assert run(go()) == 4400
+
+
+def test_engine_not_running_is_server_unavailable(server):
+    """Starlette's TestClient without its context manager skips the lifespan: no engine."""
+    from starlette.testclient import TestClient
+
+    from specserve.engine.async_engine import AsyncEngine
+    from specserve.server import create_app
+
+    # An AsyncEngine that is never started only reads the core's configuration.
+    client = TestClient(create_app(AsyncEngine(server.core), model_name="tiny"))
+    assert client.get("/health").status_code == 503
+    with client.websocket_connect("/v1/ws", subprotocols=["specserve.v1"]) as ws:
+        assert ws.receive_json()["type"] == "session.created"
+        ws.send_json({"type": "response.create", "request_id": "r",
+                      "response": {"prompt": PROMPT}})
+        error = ws.receive_json()
+    assert (error["code"], error["request_id"]) == ("server_unavailable", "r")
+    r = client.post("/v1/completions", json={"model": "tiny", "prompt": "abc"})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "server_unavailable"
