@@ -56,7 +56,11 @@ def run_serve(args: argparse.Namespace) -> int:
     from .llm import build_engine_config
     from .server import create_app, uvicorn_config
 
-    core = EngineCore(build_engine_config(**_engine_options(args)))
+    try:
+        core = EngineCore(build_engine_config(**_engine_options(args)))
+    except (FileNotFoundError, ValueError) as exc:  # no demo pair yet, bad folder or option
+        print(f"specserve serve: {exc}", file=sys.stderr)
+        return 2
     app = create_app(AsyncEngine(core), api_key=args.api_key,
                      allowed_origins=args.allowed_origin, model_name=args.model_name)
     config = uvicorn_config(app, args.host, args.port, args.log_level)
@@ -82,9 +86,13 @@ def run_generate(args: argparse.Namespace) -> int:
     from .llm import LLM
     from .sampling import SamplingParams
 
-    llm = LLM(**_engine_options(args))
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
-                            seed=args.seed)
+    try:
+        llm = LLM(**_engine_options(args))
+        params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
+                                seed=args.seed)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"specserve generate: {exc}", file=sys.stderr)
+        return 2
     out = llm.generate(args.prompt, params)[0]
     print(out.text)
     if args.stats:
