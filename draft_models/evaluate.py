@@ -41,7 +41,8 @@ class AcceptanceResult:
     acceptance_length: float  # committed tokens / target steps, over all prompts
     committed_tokens: int
     target_steps: int
-    per_position_acceptance: list[float]  # P(proposal i accepted), i = 1..k
+    # P(proposal i accepted | proposals 1..i-1 accepted), i = 1..k
+    per_position_acceptance: list[float]
     per_prompt: list[float]
 
 

@@ -154,7 +154,7 @@ The draft has 1/{t_par / d_par:.1f} of the target's parameters. Everything under
 - Target: from scratch, {st['target_steps']} steps x {st['batch_size']} x {st['seq_len']} tokens
   ({results['target']['tokens']:,} tokens), AdamW (betas 0.9/0.95, weight decay 0.1 on matrices),
   peak LR {st['target_lr']:g}, linear warmup then cosine to 10%, gradient clip 1.0, bf16 autocast
-  (measured ~2.3x faster than fp32 on this CPU), seed {st['seed']}.
+  (measured ~2.3x faster than fp32 on this CPU, 2 threads), seed {st['seed']}.
 - Draft: {st['draft_steps']} steps of the same shape ({results['draft']['tokens']:,} tokens, other
   windows), peak LR {st['draft_lr']:g}, loss KL(p_target || p_draft) at temperature 1
   (kl weight {st['kl_weight']:g}), toward the saved bf16 target.
@@ -178,7 +178,7 @@ reply of up to {ev['max_new_tokens']} tokens (stopping at `<|im_end|>`). Each st
 greedily proposes k tokens from the committed prefix; the step commits the matching prefix plus
 the target's own next token. Acceptance length = committed tokens / target steps.
 
-| chain k | acceptance length | tokens / steps | per-position acceptance rate |
+| chain k | acceptance length | tokens / steps | rate of position 1..k (given those before) |
 |---|---|---|---|
 {acc_rows}
 
