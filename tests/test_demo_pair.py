@@ -177,14 +177,19 @@ def test_target_gives_a_coherent_greedy_chat_reply(demo_models) -> None:
 
 
 @requires_demo
-def test_draft_agrees_with_target_far_more_than_chance(demo_models) -> None:
+def test_draft_agrees_with_target_far_more_than_an_untrained_draft(demo_models) -> None:
     target, draft, tok = demo_models
     # fp32 copies (bf16 -> fp32 is exact); .float() alone would convert the shared fixture.
     target, draft = copy.deepcopy(target).float(), copy.deepcopy(draft).float()
+    torch.manual_seed(0)
+    untrained = type(draft)(draft.config).eval()
     prompts = [chat_prompt_ids(tok, q) for q in ("What does `json.dumps` do?",
-                                                 "Where is `dedent` defined?")]
+                                                 "Where is `dedent` defined?",
+                                                 "Which public methods does `queue.Queue` have?")]
     eos = target.generation_config.eos_token_id
     outputs = [greedy_generate(target, p, 32, eos) for p in prompts]
-    result = acceptance_length(outputs, prompts, draft, k=4)
-    # A draft that never matched would commit exactly one token per target step.
-    assert result.acceptance_length >= 1.8, result
+    distilled = acceptance_length(outputs, prompts, draft, k=4).acceptance_length
+    baseline = acceptance_length(outputs, prompts, untrained, k=4).acceptance_length
+    # An untrained tied-embedding model mostly repeats its last token, which matches only a
+    # degenerate (repeating) target; the distilled draft must follow real replies.
+    assert distilled >= 2.0 and distilled >= baseline + 0.8, (distilled, baseline)
