@@ -22,6 +22,7 @@ from ..model.loader import load_model, load_tokenizer
 from ..model.runner import ModelRunner, Segment, kv_bytes_per_block
 from ..outputs import RequestDelta
 from ..sampling import SamplingParams, process_logits
+from ..spec.adaptive import AdaptiveController
 from ..spec.modes import SpecMode, parse_speculation
 from ..spec.proposers import DraftModelProposer, NgramProposer, spec_slots_for
 from ..spec.tree import build_tree_buffers
@@ -81,6 +82,7 @@ class EngineCore:
         self.proposer = (DraftModelProposer(ModelRunner(self.draft, num_blocks, cache.block_size))
                          if self.draft is not None else None)
         self.ngram = NgramProposer()
+        self.adaptive = AdaptiveController()
         sched_config = config.scheduler
         if sched_config.max_model_len != self.max_model_len:
             from dataclasses import replace
@@ -138,6 +140,7 @@ class EngineCore:
         if req is None:
             return None
         self.scheduler.finish(req)
+        self.adaptive.forget(request_id)
         req.finish("abort")
         return RequestDelta(request_id, [], req.take_text_delta(), finish_reason="abort",
                             metrics=req.metrics(), time=time.monotonic())
@@ -154,8 +157,13 @@ class EngineCore:
         return self.scheduler.has_work
 
     # ---- the step -------------------------------------------------------------------------
-    def _mode(self, req: Request) -> SpecMode:
+    def _configured_mode(self, req: Request) -> SpecMode:
         return req.speculation if req.speculation is not None else self.default_mode
+
+    def _mode(self, req: Request) -> SpecMode:
+        """The mode a request runs this step ("adaptive" resolves to a chain length or off)."""
+        mode = self._configured_mode(req)
+        return self.adaptive.mode_for(req.request_id) if mode.kind == "adaptive" else mode
 
     def _spec_slots(self, req: Request) -> int:
         return spec_slots_for(self._mode(req), req.remaining_tokens)
@@ -183,6 +191,8 @@ class EngineCore:
         stats.draft_time_s += t2 - t1
         stats.verify_time_s += t3 - t2
         stats.accept_time_s += t4 - t3
+        draft_levels = self.proposer.last_num_forwards if self.proposer is not None else 0
+        self.adaptive.observe_step(t3 - t2, t2 - t1, draft_levels)
         return deltas
 
     def _propose(self, scheduled: list[ScheduledRequest]) -> dict[str, TokenTree]:
@@ -248,6 +258,8 @@ class EngineCore:
                     self._mode(req).needs_draft_model:
                 self.proposer.after_verify(req, tree, verdict)
             _count_draft(req.spec, stats, len(tree) - 1, len(accepted))
+        if item.num_new_tokens == 1 and self._configured_mode(req).kind == "adaptive":
+            self.adaptive.observe_verdict(req.request_id, len(tree) - 1, len(accepted))
         req.num_computed_tokens += item.num_new_tokens + len(accepted)
         committed = []
         for token in [tree.tokens[n] for n in accepted] + [verdict.next_token]:
@@ -263,6 +275,7 @@ class EngineCore:
         if req.is_finished:
             self.scheduler.finish(req)
             self.requests.pop(req.request_id, None)
+            self.adaptive.forget(req.request_id)
             stats.num_finished += 1
             delta.finish_reason = req.finish_reason
             delta.metrics = req.metrics()

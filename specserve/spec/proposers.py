@@ -73,6 +73,7 @@ class _Growing:
 class DraftModelProposer:
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
+        self.last_num_forwards = 0  # draft forwards in the latest propose() (cost accounting)
 
     # ---- drafting -------------------------------------------------------------------------
     def propose(self, scheduled: Sequence[ScheduledRequest],
@@ -99,9 +100,11 @@ class DraftModelProposer:
             if speculating:
                 mode = modes[req.request_id]
                 growing.append(self._start(req, mode, item.num_spec_slots))
+        self.last_num_forwards = 0
         if not catch_up:
             return {}
         logits = self.runner.forward(catch_up)
+        self.last_num_forwards = 1
         roots = iter(lg[0] for seg, lg in zip(catch_up, logits) if seg.logit_rows)
         for g in growing:
             g.expand[0] = next(roots)
@@ -172,6 +175,7 @@ class DraftModelProposer:
     def _forward_pending(self, growing: list[_Growing]) -> None:
         if not growing:
             return
+        self.last_num_forwards += 1
         segments = []
         for g in growing:
             fwd = g.forwarded

@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from specserve.spec.modes import parse_speculation
-from specserve.spec.tree import (STATIC_TREES, build_tree_buffers, children_lists,
-                                 paths_to_parents)
+from specserve.spec.tree import STATIC_TREES, build_tree_buffers, children_lists, paths_to_parents
 
 
 def test_hand_drawn_tree():

@@ -1,0 +1,104 @@
+"""`speculation="adaptive"`: choose each request's chain length every step from what it measures.
+
+The controller keeps, per request, a running estimate of the conditional acceptance rate at each
+draft depth (a_d: the chance the depth-d token is accepted given depths 1..d-1 were), and for the
+engine the time of one target forward and of one draft forward level. A chain of k tokens commits
+on average
+
+    E(k) = 1 + a_1 + a_1 a_2 + ... + a_1 ... a_k      tokens per target forward
+
+and costs about T_target + k * T_draft, so the controller picks the k in 0..MAX_CHAIN with the
+most expected tokens per second (k = 0: no speculation this step). Estimates are exponentially
+weighted, so a request whose text turns predictable (code, quotes) lengthens its chain and one
+that wanders shortens it. A request that stopped speculating probes with one token every
+PROBE_EVERY steps so it can notice when drafting pays again.
+
+The choice is a pure function of state that changes only after verification, so the scheduler
+(which reserves KV slots) and the proposer (which drafts) see the same mode within a step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .modes import OFF, SpecMode
+
+MAX_CHAIN = 8
+PRIOR_ACCEPTANCE = 0.6  # before anything is measured: optimistic enough to try drafting
+DECAY = 0.8  # weight of the old estimate per observation
+PROBE_EVERY = 16
+
+
+@dataclass
+class _RequestState:
+    acceptance: list[float]  # a_1 .. a_MAX_CHAIN
+    steps_off: int = 0
+
+
+@dataclass
+class AdaptiveController:
+    target_time_s: float | None = None  # EWMA of one target forward
+    draft_level_time_s: float | None = None  # EWMA of one draft forward level
+    engine_acceptance: list[float] = field(
+        default_factory=lambda: [PRIOR_ACCEPTANCE] * MAX_CHAIN)
+    _requests: dict[str, _RequestState] = field(default_factory=dict)
+
+    def mode_for(self, request_id: str) -> SpecMode:
+        """The mode a request runs this step: `chain:k` or off."""
+        state = self._state(request_id)
+        k = best_chain_length(state.acceptance, self._cost_ratio())
+        if k == 0 and state.steps_off >= PROBE_EVERY:
+            k = 1
+        return SpecMode("chain", k) if k else OFF
+
+    def observe_step(self, target_time_s: float, draft_time_s: float, draft_levels: int) -> None:
+        """Timing of one engine step (draft levels: draft forwards it ran, catch-up included)."""
+        self.target_time_s = _ewma(self.target_time_s, target_time_s)
+        if draft_levels:
+            self.draft_level_time_s = _ewma(self.draft_level_time_s, draft_time_s / draft_levels)
+
+    def observe_verdict(self, request_id: str, chain_length: int, num_accepted: int) -> None:
+        """After verification: depths 1..accepted+1 were tried; the first `accepted` passed."""
+        state = self._state(request_id)
+        if chain_length == 0:
+            state.steps_off += 1
+            return
+        state.steps_off = 0
+        tried = min(chain_length, num_accepted + 1)
+        for depth in range(tried):
+            hit = 1.0 if depth < num_accepted else 0.0
+            state.acceptance[depth] = DECAY * state.acceptance[depth] + (1 - DECAY) * hit
+            self.engine_acceptance[depth] = (DECAY * self.engine_acceptance[depth]
+                                             + (1 - DECAY) * hit)
+
+    def forget(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+
+    def _state(self, request_id: str) -> _RequestState:
+        state = self._requests.get(request_id)
+        if state is None:  # a new request starts from what the engine has seen lately
+            state = self._requests[request_id] = _RequestState(list(self.engine_acceptance))
+        return state
+
+    def _cost_ratio(self) -> float:
+        """Cost of one draft level relative to one target forward (0.25 until measured)."""
+        if not self.target_time_s or self.draft_level_time_s is None:
+            return 0.25
+        return self.draft_level_time_s / self.target_time_s
+
+
+def best_chain_length(acceptance: list[float], draft_cost_ratio: float) -> int:
+    """The k maximising E(k) / (1 + k * draft_cost_ratio) (see the module docstring)."""
+    best_k, best_rate = 0, 1.0
+    expected, reach = 1.0, 1.0
+    for k, a in enumerate(acceptance, start=1):
+        reach *= a
+        expected += reach
+        rate = expected / (1.0 + k * draft_cost_ratio)
+        if rate > best_rate:
+            best_k, best_rate = k, rate
+    return best_k
+
+
+def _ewma(old: float | None, new: float) -> float:
+    return new if old is None else DECAY * old + (1 - DECAY) * new
