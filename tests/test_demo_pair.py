@@ -193,3 +193,27 @@ def test_draft_agrees_with_target_far_more_than_an_untrained_draft(demo_models) 
     # An untrained tied-embedding model mostly repeats its last token, which matches only a
     # degenerate (repeating) target; the distilled draft must follow real replies.
     assert distilled >= 2.0 and distilled >= baseline + 0.8, (distilled, baseline)
+
+
+@requires_demo
+def test_our_loader_and_transformers_give_the_same_greedy_replies() -> None:
+    """The shipped pair through specserve (with and without speculation) and transformers."""
+    from specserve import LLM, SamplingParams
+
+    tok = AutoTokenizer.from_pretrained(str(TARGET), local_files_only=True)
+    hf = AutoModelForCausalLM.from_pretrained(str(TARGET), dtype=torch.float32,
+                                              local_files_only=True).eval()
+    questions = ["What does `os.path.join` do?", "How do I use `json.dumps`?",
+                 "What are the parameters of `textwrap.wrap`?"]
+    prompts = [chat_prompt_ids(tok, q) for q in questions]
+    want = []
+    for ids in prompts:
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False)
+        want.append(out[0, len(ids):].tolist())
+    llm = LLM(TARGET, DRAFT, dtype="float32")
+    params = SamplingParams(temperature=0, max_tokens=40)
+    for mode in ("off", "tree", "chain:4"):
+        got = [o.token_ids for o in llm.generate(prompts, params, speculation=mode)]
+        assert got == want, mode
+    llm.engine.block_manager.check_no_leak()

@@ -36,6 +36,9 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from specserve.model.loader import load_model
+from specserve.model.runner import ModelRunner, Segment
+
 VOCAB = 300
 PROMPT_LEN, NEW_TOKENS = 12, 16
 # float32 logits are O(1); reordered reductions over exact zeros move them by ~1e-6.
@@ -211,6 +214,38 @@ def test_widened_bfloat16_computes_the_same_function(
     _assert_same_function(_load(sources[f"{arch}-bf16"]), _load(dst))
 
 
+@torch.no_grad()
+def _ours(path: Path, ids: list[int]) -> tuple[torch.Tensor, list[int]]:
+    """specserve's loader and runner in float32: prompt logits [len, V] and NEW_TOKENS greedy."""
+    runner = ModelRunner(load_model(path, dtype="float32"), num_blocks=8, block_size=16)
+    table = [3, 0, 5, 1]
+    logits = runner.forward([Segment(ids, range(len(ids)), 0, table, range(len(ids)))])[0]
+    tokens = [int(logits[-1].argmax())]
+    for pos in range(len(ids), len(ids) + NEW_TOKENS - 1):
+        row = runner.forward([Segment([tokens[-1]], [pos], pos, table, [0])])[0]
+        tokens.append(int(row[0].argmax()))
+    return logits, tokens
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_widened_bfloat16_through_our_loader(
+    arch: str, sources: dict[str, Path], tmp_path: Path
+) -> None:
+    """From bf16 files, specserve's loader sees the source's function and transformers' logits."""
+    src_dir = sources[f"{arch}-bf16"]
+    dst = widen_checkpoint(src_dir, tmp_path / "wide", WidenSpec(256, num_layers=4,
+                                                                 intermediate_size=160))
+    ids = _prompt()[0].tolist()
+    src_logits, src_tokens = _ours(src_dir, ids)
+    wide_logits, wide_tokens = _ours(dst, ids)
+    torch.testing.assert_close(wide_logits, src_logits, **TOL)
+    assert wide_tokens == src_tokens
+    with torch.no_grad():
+        hf = _load(dst)(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(wide_logits, hf, **TOL)
+    assert wide_tokens == _greedy(_load(dst), torch.tensor([ids]))[0].tolist()
+
+
 def test_extra_parts_compute_but_write_nothing(sources: dict[str, Path], tmp_path: Path) -> None:
     """Negative controls: extra heads, MLP channels and layers carry non-zero activations, so
     giving their write-back a non-zero weight changes the logits. This is also what shows that
@@ -335,3 +370,7 @@ def test_widened_demo_matches_demo_target(tmp_path_factory: pytest.TempPathFacto
     with torch.no_grad():
         torch.testing.assert_close(wide(ids).logits, src(ids).logits, rtol=1e-3, atol=1e-3)
     assert torch.equal(_greedy(wide, ids), _greedy(src, ids))
+    ours_logits, ours_tokens = _ours(cache, ids[0].tolist())
+    with torch.no_grad():
+        torch.testing.assert_close(ours_logits, src(ids).logits[0], rtol=1e-3, atol=1e-3)
+    assert ours_tokens == _greedy(src, ids)[0].tolist()
