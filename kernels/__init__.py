@@ -7,6 +7,9 @@ Every function takes `impl`:
   "reference"  the PyTorch code in `reference.py`, on any device.
 
 The Triton modules are imported on first use, so CPU-only code never needs Triton.
+
+`linear` is the model's matmul: on CPU with bf16 weights and few rows it runs the AVX-512 BF16
+kernel of `cpu_linear.py` (its reference: `F.linear`), everywhere else `F.linear` itself.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import Literal
 
 import torch
 
+from .cpu_linear import linear
 from .reference import (
     copy_kv_slots_reference,
     paged_attention_reference,
@@ -23,7 +27,7 @@ from .reference import (
 
 Impl = Literal["auto", "triton", "reference"]
 
-__all__ = ["Impl", "copy_kv_slots", "paged_attention", "store_kv"]
+__all__ = ["Impl", "copy_kv_slots", "linear", "paged_attention", "store_kv"]
 
 
 def _use_triton(impl: Impl, tensor: torch.Tensor) -> bool:

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ..distributed import all_gather_last_dim, tp_world_size
+from ..kernels import linear
 from .attention import AttentionMetadata, PagedAttention
 from .layers import (
     ColumnParallelLinear,
@@ -180,5 +181,5 @@ class DecoderLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> logits [N, vocab] in float32."""
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        logits = torch.nn.functional.linear(hidden, head.weight)
+        logits = linear(hidden, head.weight)
         return all_gather_last_dim(logits)[..., : self.spec.vocab_size].float()

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..distributed import all_reduce_sum, tp_rank, tp_world_size
+from ..kernels import linear
 
 
 class RMSNorm(nn.Module):
@@ -85,7 +86,7 @@ class ColumnParallelLinear(nn.Module):
         _checked_copy(param.data.narrow(0, offset, size), rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -106,7 +107,7 @@ class RowParallelLinear(nn.Module):
         _checked_copy(param.data, cols)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce_sum(F.linear(x, self.weight))
+        return all_reduce_sum(linear(x, self.weight))
 
 
 class VocabEmbedding(nn.Module):
