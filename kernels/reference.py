@@ -39,10 +39,12 @@ def store_kv_reference(
     """Write each token's K/V into its slot; tokens with a negative slot are skipped."""
     block_size = k_cache.shape[1]
     keep = slot_mapping >= 0  # [T]
-    slots = slot_mapping[keep].long()  # [T']
+    if not bool(keep.all()):  # padding present (usually none: then no masked copies)
+        slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]
+    slots = slot_mapping.long()  # [T']
     blocks, offsets = slots // block_size, slots % block_size  # [T'], [T']
-    k_cache[blocks, offsets] = key[keep].to(k_cache.dtype)
-    v_cache[blocks, offsets] = value[keep].to(v_cache.dtype)
+    k_cache[blocks, offsets] = key.to(k_cache.dtype)
+    v_cache[blocks, offsets] = value.to(v_cache.dtype)
 
 
 def copy_kv_slots_reference(
