@@ -27,7 +27,13 @@ class IncrementalDetokenizer:
         decode = self.tokenizer.decode
         prefix = decode(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=True)
         full = decode(self.ids[self.prefix_offset:], skip_special_tokens=True)
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+        if full.endswith("\ufffd"):
+            return ""  # a character still incomplete: wait for its remaining bytes
+        if len(full) <= len(prefix):
+            # Tokens that print nothing (special tokens): move past them but keep a few tokens
+            # of left context, so the window stays short however many of them come.
+            self.read_offset = len(self.ids)
+            self.prefix_offset = max(self.prefix_offset, self.read_offset - _CONTEXT_TOKENS)
             return ""
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.ids)
