@@ -1,10 +1,12 @@
 """Paged-KV attention and KV-cache kernels: one entry point per operation.
 
 Every function takes `impl`:
-  "auto"       Triton on CUDA tensors, the PyTorch reference otherwise (what production uses).
+  "auto"       Triton on CUDA tensors; on CPU the AVX-512 BF16 C kernels where they apply
+               (paged_attention on bf16, see cpu_attention.py), the PyTorch reference otherwise.
   "triton"     the Triton kernels; CPU tensors need TRITON_INTERPRET=1 (Triton's interpreter,
                read at each launch, so tests can switch it per test).
   "reference"  the PyTorch code in `reference.py`, on any device.
+  "cpu"        the C kernels (paged_attention only; bf16 CPU tensors).
 
 The Triton modules are imported on first use, so CPU-only code never needs Triton.
 
@@ -18,6 +20,7 @@ from typing import Literal
 
 import torch
 
+from . import cpu_attention
 from .cpu_linear import linear
 from .reference import (
     copy_kv_slots_reference,
@@ -25,7 +28,7 @@ from .reference import (
     store_kv_reference,
 )
 
-Impl = Literal["auto", "triton", "reference"]
+Impl = Literal["auto", "triton", "reference", "cpu"]
 
 __all__ = ["Impl", "copy_kv_slots", "linear", "paged_attention", "store_kv"]
 
@@ -33,7 +36,7 @@ __all__ = ["Impl", "copy_kv_slots", "linear", "paged_attention", "store_kv"]
 def _use_triton(impl: Impl, tensor: torch.Tensor) -> bool:
     if impl == "auto":
         return tensor.is_cuda
-    if impl in ("triton", "reference"):
+    if impl in ("triton", "reference", "cpu"):
         return impl == "triton"
     raise ValueError(f"unknown impl {impl!r}; expected 'auto', 'triton' or 'reference'")
 
@@ -82,6 +85,8 @@ def paged_attention(
         from .attention import paged_attention_triton
 
         return paged_attention_triton(*args)
+    if impl == "cpu" or (impl == "auto" and cpu_attention.supports(q, k_cache)):
+        return cpu_attention.paged_attention_cpu(*args)
     return paged_attention_reference(*args)
 
 

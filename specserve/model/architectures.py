@@ -127,11 +127,14 @@ class DecoderAttention(nn.Module):
         T = x.shape[0]
         q_len = self.num_heads * self.head_dim
         kv_len = self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split([q_len, kv_len, kv_len], dim=-1)
+        qkv = self.qkv_proj(x)  # [T, q_len + 2 kv_len]
+        rotated = rotary.rotate_qk_(positions, qkv, self.num_heads, self.num_kv_heads)
+        q, k, v = qkv.split([q_len, kv_len, kv_len], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
+        if not rotated:
+            q, k = rotary(positions, q, k)
         out = self.attn(q, k, v, kv[0], kv[1], meta)  # [T, Hq, D]
         return self.o_proj(out.reshape(T, q_len))
 

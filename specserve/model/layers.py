@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..distributed import all_reduce_sum, tp_rank, tp_world_size
-from ..kernels import linear
+from ..kernels import cpu_norm_rope, linear
 
 
 class RMSNorm(nn.Module):
@@ -21,6 +21,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = cpu_norm_rope.rms_norm(x, self.weight, self.eps)  # the same steps, in C
+        if fused is not None:
+            return fused
         # Normalise in float32 as the reference implementations do, then cast back.
         dtype = x.dtype
         x32 = x.float()
@@ -49,6 +52,13 @@ class RotaryEmbedding(nn.Module):
         cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
         sin = self.sin[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+    def rotate_qk_(self, positions: torch.Tensor, qkv: torch.Tensor, num_q_heads: int,
+                   num_kv_heads: int) -> bool:
+        """Rotate q and k in place inside the fused projection output qkv [T, (Hq + 2 Hkv) D]
+        (q heads, then k heads, lead each row); False when only `forward` can do it."""
+        return cpu_norm_rope.rotary_(qkv, num_q_heads + num_kv_heads, self.head_dim, self.cos,
+                                     self.sin, positions)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,53 @@
+"""Paged attention on CPU through the C kernel in `cpu_attention.c` (AVX-512 BF16).
+
+Same arguments and result as `paged_attention_reference`, for bf16 queries and caches; the
+dispatcher in `__init__.py` sends CPU bf16 calls here when the kernel library is built.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .cpu_build import library
+
+
+def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether the C kernel takes these inputs (else the PyTorch reference does)."""
+    return (q.device.type == "cpu" and q.dtype == k_cache.dtype == torch.bfloat16
+            and q.shape[-1] % 32 == 0 and q.shape[1] % k_cache.shape[2] == 0
+            and k_cache.is_contiguous() and library() is not None)
+
+
+def paged_attention_cpu(
+    q: torch.Tensor,  # [T, Hq, D] bf16
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D] bf16, contiguous
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D] bf16, contiguous
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    query_start_loc: torch.Tensor,  # [B + 1] int32
+    context_lens: torch.Tensor,  # [B] int32
+    local_mask: torch.Tensor | None,  # [T, max_query_len] bool, None = causal
+    scale: float,
+    max_query_len: int,
+) -> torch.Tensor:  # [T, Hq, D] bf16
+    """Runs once per layer per step: a few attribute checks, then one C call (no tensor ops
+    beyond the output allocation; each costs microseconds on CPU)."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError("the AVX-512 BF16 CPU kernels are not available on this machine")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("paged_attention_cpu needs contiguous K and V caches")
+    q, tables = q.contiguous(), block_tables.to(torch.int32).contiguous()
+    starts = query_start_loc.to(torch.int32).contiguous()
+    contexts = context_lens.to(torch.int32).contiguous()
+    mask = None if local_mask is None else local_mask.to(torch.bool).contiguous()  # 1 byte each
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    out = torch.empty_like(q)
+    status = lib.paged_attention_bf16(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+        tables.shape[1], starts.data_ptr(), contexts.data_ptr(),
+        None if mask is None else mask.data_ptr(), 0 if mask is None else mask.shape[1],
+        contexts.shape[0], q.shape[1], num_kv_heads, head_dim, block_size, scale,
+        out.data_ptr(), torch.get_num_threads())
+    if status != 0:
+        raise MemoryError("paged_attention_cpu: could not allocate its scratch buffers")
+    return out

@@ -1,0 +1,58 @@
+"""The CPU RMSNorm and rotary kernels (kernels/cpu_norm_rope.c) against the PyTorch layers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from specserve.kernels import cpu_build, cpu_norm_rope
+
+from specserve.model.layers import RMSNorm, RotaryEmbedding
+
+pytestmark = pytest.mark.skipif(cpu_build.library() is None,
+                                reason="no AVX-512 BF16 CPU or no C compiler")
+
+
+def _torch_only(monkeypatch):
+    monkeypatch.setattr(cpu_norm_rope, "library", lambda: None)
+
+
+def test_rms_norm_matches_the_pytorch_steps(monkeypatch):
+    gen = torch.Generator().manual_seed(0)
+    norm = RMSNorm(1000, 1e-5).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5, generator=gen)
+    x = (torch.randn(7, 1000, generator=gen) * 3).to(torch.bfloat16)
+    fused = norm(x)
+    _torch_only(monkeypatch)
+    want = norm(x)
+    assert fused.dtype == want.dtype == torch.bfloat16
+    # Only the fp32 sum of squares is added in another order: at most one bf16 rounding step.
+    torch.testing.assert_close(fused, want, rtol=2 ** -7, atol=0)
+    assert (fused == want).float().mean() > 0.99
+
+
+def test_rotary_in_place_equals_the_pytorch_rotation(monkeypatch):
+    heads_q, heads_kv, dim = 4, 2, 64
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+    rotary = RotaryEmbedding(dim, 512, inv_freq, attention_scaling=1.0)
+    gen = torch.Generator().manual_seed(1)
+    qkv = torch.randn(5, (heads_q + 2 * heads_kv) * dim, generator=gen).to(torch.bfloat16)
+    positions = torch.tensor([0, 3, 77, 300, 511])
+    q = qkv[:, : heads_q * dim].reshape(5, heads_q, dim)
+    k = qkv[:, heads_q * dim : (heads_q + heads_kv) * dim].reshape(5, heads_kv, dim)
+    want_q, want_k = rotary(positions, q, k)
+    v_before = qkv[:, (heads_q + heads_kv) * dim :].clone()
+    assert rotary.rotate_qk_(positions, qkv, heads_q, heads_kv)
+    # The same fp32 operations and roundings: bit for bit.
+    assert torch.equal(qkv[:, : heads_q * dim].reshape(5, heads_q, dim), want_q)
+    assert torch.equal(qkv[:, heads_q * dim : (heads_q + heads_kv) * dim].reshape(5, heads_kv, dim),
+                       want_k)
+    assert torch.equal(qkv[:, (heads_q + heads_kv) * dim :], v_before)  # v untouched
+    _torch_only(monkeypatch)
+    assert not rotary.rotate_qk_(positions, qkv, heads_q, heads_kv)
+
+
+def test_fp32_inputs_take_the_pytorch_path():
+    assert cpu_norm_rope.rms_norm(torch.randn(2, 8), torch.ones(8), 1e-6) is None
+    assert not cpu_norm_rope.rotary_(torch.randn(2, 8), 1, 8, torch.ones(4, 4), torch.ones(4, 4),
+                                     torch.tensor([0, 1]))
