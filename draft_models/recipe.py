@@ -195,6 +195,17 @@ python -m draft_models.recipe    # from the repository root; rewrites draft_mode
 (The committed pair was built by that command, run as `nohup nice -n 10 python -m
 draft_models.recipe`.) Same Python (stdlib), torch and transformers versions and thread count give
 the same pair; others give an equivalent one.
+
+## The widened benchmark target (a synthetic fixture, never committed)
+
+The benchmarks also pair the demo draft with a much larger target made from this one by
+`draft_models/widen.py` (`ensure_widened_demo()`, cached in `~/.cache/specserve/`): hidden 256 ->
+1024, 10 -> 24 layers, intermediate 1024 -> 4096 (~367M parameters, ~700 MiB in bfloat16, about
+Qwen2.5-0.5B's shape). Extra residual channels stay zero, extra heads, MLP channels and layers
+read the stream but write nothing back, and RMSNorm weights and epsilon are rescaled, so it
+computes exactly this target's function while every weight is still read at run time. It is
+not a better model: it exists so that speculation is measured where a target forward costs what
+a real 0.5B model costs (bound by memory bandwidth), with this draft's real acceptance.
 """
 
 
