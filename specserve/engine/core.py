@@ -63,7 +63,8 @@ class EngineCore:
         self.draft = load_model(config.draft, config.dtype, config.device) if config.draft else None
         if self.draft is not None:
             _check_same_vocabulary(config.target, config.draft, self.tokenizer)
-        self.default_mode = parse_speculation(config.speculation, self.draft is not None)
+        self.default_mode = parse_speculation(config.speculation, self.draft is not None,
+                                              str(config.device))
         self.eos_token_ids = _eos_token_ids(config.target, self.tokenizer)
         self.max_model_len = min([config.scheduler.max_model_len,
                                   self.target.spec.max_position_embeddings]

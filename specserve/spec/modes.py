@@ -42,14 +42,28 @@ class SpecMode:
 
 
 OFF = SpecMode("off")
+ADAPTIVE = SpecMode("adaptive")
 
 
-def parse_speculation(value, has_draft: bool) -> SpecMode:
+def best_mode(has_draft: bool, device: str = "cpu") -> SpecMode:
+    """What `speculation=None` means.
+
+    On a GPU verifying a tree of N nodes costs about one decode step, so the dynamic tree wins.
+    On a CPU each verified row costs compute (a 25-node tree ~2.5x a decode step on the
+    widened benchmark pair), so `adaptive`, which picks a chain length per request from measured
+    acceptance and costs, beat every fixed chain and tree there (bench/RESULTS.md).
+    """
+    if not has_draft:
+        return OFF
+    return SpecMode("tree", DEFAULT_TREE_NODES) if device.startswith("cuda") else ADAPTIVE
+
+
+def parse_speculation(value, has_draft: bool, device: str = "cpu") -> SpecMode:
     """Parse a speculation spelling; errors name the bad value."""
     if isinstance(value, SpecMode):
         mode = value
     elif value is None:
-        mode = SpecMode("tree", DEFAULT_TREE_NODES) if has_draft else OFF
+        mode = best_mode(has_draft, device)
     elif isinstance(value, (list, tuple)):
         paths = validate_paths(value)
         mode = SpecMode("static", len(paths), paths)
