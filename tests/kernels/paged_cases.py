@@ -43,6 +43,23 @@ def causal(n: int) -> torch.Tensor:  # [n, n] bool
     return torch.ones(n, n, dtype=torch.bool).tril()
 
 
+DECODE = torch.ones(1, 1, dtype=torch.bool)
+
+
+def mixed_requests(seed: int = 0) -> list[Request]:
+    """A prompt chunk after cached tokens, trees, a decode, an idle request, a fresh prompt."""
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        (37, causal(20)),
+        (50, tree_mask_from_paths(STATIC_TREE)),
+        (70, DECODE),
+        (12, torch.ones(0, 0, dtype=torch.bool)),  # nothing scheduled this step
+        (0, causal(17)),
+        (33, random_tree_mask(12, gen)),
+        (16, chain_mask(5)),
+    ]
+
+
 @dataclass
 class PagedBatch:
     """Everything `paged_attention` takes, plus the whole cache it was built from."""

@@ -5,13 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 from paged_cases import (
-    STATIC_TREE,
+    DECODE,
     brute_force_attention,
     causal,
-    chain_mask,
     make_batch,
-    random_tree_mask,
-    tree_mask_from_paths,
+    mixed_requests,
 )
 from specserve.kernels import cpu_attention, paged_attention
 
@@ -20,21 +18,8 @@ pytestmark = pytest.mark.skipif(
                                torch.zeros(1, 1, 1, 32, dtype=torch.bfloat16)),
     reason="no AVX-512 BF16 CPU or no C compiler")
 
-DECODE = torch.ones(1, 1, dtype=torch.bool)
-
-
 def requests(seed: int) -> list:
-    gen = torch.Generator().manual_seed(seed)
-    return [
-        (37, causal(20)),
-        (50, tree_mask_from_paths(STATIC_TREE)),
-        (70, DECODE),
-        (12, torch.ones(0, 0, dtype=torch.bool)),  # nothing scheduled this step
-        (0, causal(17)),
-        (33, random_tree_mask(12, gen)),
-        (16, chain_mask(5)),
-        (300, DECODE),
-    ]
+    return [*mixed_requests(seed), (300, DECODE)]  # and a decode over many pages
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])

@@ -5,31 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 from paged_cases import (
-    STATIC_TREE,
+    DECODE,
     brute_force_attention,
     causal,
-    chain_mask,
     make_batch,
-    random_tree_mask,
-    tree_mask_from_paths,
+    mixed_requests,
 )
 from specserve.kernels import copy_kv_slots, paged_attention, store_kv
-
-DECODE = torch.ones(1, 1, dtype=torch.bool)
-
-
-def mixed_requests(seed: int = 0) -> list:
-    """A prompt chunk after cached tokens, trees, a decode, an idle request, a fresh prompt."""
-    gen = torch.Generator().manual_seed(seed)
-    return [
-        (37, causal(20)),
-        (50, tree_mask_from_paths(STATIC_TREE)),
-        (70, DECODE),
-        (12, torch.ones(0, 0, dtype=torch.bool)),  # nothing scheduled this step
-        (0, causal(17)),
-        (33, random_tree_mask(12, gen)),
-        (16, chain_mask(5)),
-    ]
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
