@@ -207,7 +207,10 @@ class EngineCore:
                     draft_modes[item.request.request_id] = mode
         trees = self.ngram.propose(ngram) if ngram else {}
         if self.proposer is not None:
-            trees.update(self.proposer.propose(scheduled, draft_modes))
+            # Requests that never use the draft (off, n-gram) skip its prompt catch-up too.
+            drafting = [item for item in scheduled
+                        if self._configured_mode(item.request).needs_draft_model]
+            trees.update(self.proposer.propose(drafting, draft_modes))
         return {rid: tree for rid, tree in trees.items() if len(tree) > 1}
 
     def _target_segment(self, item: ScheduledRequest, tree: TokenTree | None) -> Segment:
