@@ -29,7 +29,7 @@ FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-ffp-c
 
 _p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 SIGNATURES = {
-    "gemv_bf16": ([_p] * 3 + [_i64] * 3 + [_i32], None),
+    "gemv_bf16": ([_p] * 5 + [_i64] * 3 + [_i32], None),
     "paged_attention_bf16": ([_p] * 3 + [_p, _i64] + [_p] * 3 + [_i64] * 6 + [_f32, _p, _i32],
                              ctypes.c_int),
     "rms_norm_bf16": ([_p] * 3 + [_i64] * 2 + [_f32], None),

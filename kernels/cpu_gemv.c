@@ -18,7 +18,9 @@
  * The micro-kernel is always inlined with constant MR, NR and U, so the compiler unrolls its
  * loops and keeps every accumulator in a register (with run-time sizes it spills them).
  *
- * Built and loaded by cpu_linear.py; its PyTorch reference is F.linear in fp32.
+ * Results are written in fp32, or in bf16 with the bias added (the layer output in one pass).
+ *
+ * Built and loaded by cpu_build.py; its PyTorch reference is F.linear in fp32.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -26,8 +28,41 @@
 #define MR_MAX 6
 #define SEQUENTIAL_ROWS 8
 
+/* Where results go: y fp32, or bf16 (rounded to nearest even) with the bias (bf16, may be
+ * NULL) added first in fp32, as F.linear on bf16 tensors computes it. Pointers are advanced
+ * to the block being written. */
+typedef struct {
+    float *f32;
+    uint16_t *bf16;
+    const uint16_t *bias;
+} Output;
+
+static inline Output output_at(Output o, int64_t y_offset, int64_t bias_offset) {
+    if (o.f32) o.f32 += y_offset;
+    if (o.bf16) o.bf16 += y_offset;
+    if (o.bias) o.bias += bias_offset;
+    return o;
+}
+
+static inline float bf16_to_f32(uint16_t v) {
+    union { uint32_t u; float f; } c = {(uint32_t)v << 16};
+    return c.f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, NaN kept quiet */
+    union { float f; uint32_t u; } c = {f};
+    if ((c.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((c.u >> 16) | 0x40u);
+    return (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
+}
+
+static inline void store(Output o, int64_t y_index, int64_t column, float value) {
+    if (o.bias) value += bf16_to_f32(o.bias[column]);
+    if (o.bf16) o.bf16[y_index] = f32_to_bf16(value);
+    else o.f32[y_index] = value;
+}
+
 static inline __attribute__((always_inline)) void micro_kernel(
-    const int MR, const int NR, const int U, const uint16_t *x, const uint16_t *w, float *y,
+    const int MR, const int NR, const int U, const uint16_t *x, const uint16_t *w, Output y,
     int64_t N, int64_t K) {
     __m512 acc[MR_MAX][4][2];
 #pragma GCC unroll 8
@@ -73,7 +108,7 @@ static inline __attribute__((always_inline)) void micro_kernel(
         for (int r = 0; r < NR; r++) {
 #pragma GCC unroll 8
             for (int u = 1; u < U; u++) acc[i][r][0] = _mm512_add_ps(acc[i][r][0], acc[i][r][u]);
-            y[i * N + r] = _mm512_reduce_add_ps(acc[i][r][0]);
+            store(y, i * N + r, r, _mm512_reduce_add_ps(acc[i][r][0]));
         }
 }
 
@@ -89,7 +124,7 @@ static inline __attribute__((always_inline)) void micro_kernel(
     }
 
 /* Weight rows [n0, n0 + nr) against every row of x, in balanced chunks of at most MR_MAX. */
-static void weight_block(const uint16_t *x, const uint16_t *w, float *y, int64_t M, int64_t N,
+static void weight_block(const uint16_t *x, const uint16_t *w, Output y, int64_t M, int64_t N,
                          int64_t K, int64_t n0, int nr, int block_rows) {
     const int64_t chunks = (M + MR_MAX - 1) / MR_MAX;
     int64_t m0 = 0;
@@ -97,20 +132,22 @@ static void weight_block(const uint16_t *x, const uint16_t *w, float *y, int64_t
         const int64_t left = M - m0, parts = chunks - c;
         const int mr = (int)((left + parts - 1) / parts);
         const uint16_t *xs = x + m0 * K, *ws = w + n0 * K;
-        float *ys = y + m0 * N + n0;
+        Output ys = output_at(y, m0 * N + n0, n0);
         m0 += mr;
         if (block_rows == 1) {
             DISPATCH_MR(1, 2)
         } else if (nr == 4) {
             DISPATCH_MR(4, 1)
         } else { /* ragged edge of w: one row at a time */
-            for (int r = 0; r < nr; r++, ws += K, ys += 1) DISPATCH_MR(1, 2)
+            for (int r = 0; r < nr; r++, ws += K, ys = output_at(ys, 1, 1)) DISPATCH_MR(1, 2)
         }
     }
 }
 
-void gemv_bf16(const uint16_t *x, const uint16_t *w, float *y, int64_t M, int64_t N, int64_t K,
-               int num_threads) {
+/* y_f32 or y_bf16 (the other NULL) [M, N]; bias [N] bf16 or NULL. */
+void gemv_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, float *y_f32,
+               uint16_t *y_bf16, int64_t M, int64_t N, int64_t K, int num_threads) {
+    const Output y = {y_f32, y_bf16, bias};
     const int block_rows = M <= SEQUENTIAL_ROWS ? 1 : 4;
     const int64_t num_blocks = (N + block_rows - 1) / block_rows;
 #pragma omp parallel for schedule(static) num_threads(num_threads)

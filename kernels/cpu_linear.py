@@ -23,13 +23,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            ) -> torch.Tensor:
     """F.linear(x, weight, bias); x [..., K], weight [N, K] -> [..., N] in x's dtype."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    lib = _library()
     if not (0 < rows <= MAX_ROWS and x.dtype == weight.dtype == torch.bfloat16
-            and x.device.type == "cpu" and weight.is_contiguous()) or _library() is None:
+            and x.device.type == "cpu" and weight.is_contiguous()
+            and (bias is None or bias.dtype == torch.bfloat16)) or lib is None:
         return F.linear(x, weight, bias)
-    out = gemv_bf16(x.reshape(rows, x.shape[-1]), weight)  # [rows, N] fp32
-    if bias is not None:
-        out += bias
-    return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+    x2 = x.reshape(rows, x.shape[-1]).contiguous()  # [rows, K]
+    _check_features(x2, weight)
+    out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=torch.bfloat16)  # [..., N]
+    # One pass: products, bias and the rounding to bf16 all in the kernel.
+    lib.gemv_bf16(x2.data_ptr(), weight.data_ptr(),
+                  None if bias is None else bias.contiguous().data_ptr(), None, out.data_ptr(),
+                  rows, weight.shape[0], x.shape[-1], torch.get_num_threads())
+    return out
 
 
 def gemv_bf16(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -38,13 +44,17 @@ def gemv_bf16(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if lib is None:
         raise RuntimeError("the AVX-512 BF16 CPU kernel is not available on this machine")
     x = x.contiguous()
+    _check_features(x, weight)
     (m, k), n = x.shape, weight.shape[0]
-    if weight.shape[1] != k:
-        raise ValueError(f"x has {k} features but weight has {weight.shape[1]}")
     out = torch.empty(m, n, dtype=torch.float32)
-    lib.gemv_bf16(x.data_ptr(), weight.data_ptr(), out.data_ptr(), m, n, k,
+    lib.gemv_bf16(x.data_ptr(), weight.data_ptr(), None, out.data_ptr(), None, m, n, k,
                   torch.get_num_threads())
     return out
+
+
+def _check_features(x: torch.Tensor, weight: torch.Tensor) -> None:
+    if weight.shape[1] != x.shape[1]:
+        raise ValueError(f"x has {x.shape[1]} features but weight has {weight.shape[1]}")
 
 
 def available() -> bool:

@@ -28,21 +28,39 @@ def test_gemv_matches_fp32_reference(m: int, n: int, k: int):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * k ** 0.5)
 
 
+class RecordingLibrary:
+    """Stands in for the kernel library: records gemv calls, forwards them (or fails)."""
+
+    def __init__(self, real, allowed: bool = True) -> None:
+        self.real, self.allowed, self.calls = real, allowed, 0
+
+    def gemv_bf16(self, *args):
+        assert self.allowed, "the kernel was used"
+        self.calls += 1
+        return self.real.gemv_bf16(*args)
+
+
 @requires_kernel
-def test_linear_takes_the_kernel_for_few_bf16_rows_and_adds_bias(monkeypatch):
-    x, w, b = _bf16(2, 3, 64, seed=1), _bf16(48, 64, seed=2), _bf16(48, seed=3)
-    calls = []
-    real = cpu_linear.gemv_bf16
-    monkeypatch.setattr(cpu_linear, "gemv_bf16", lambda *a: calls.append(1) or real(*a))
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("lead,n", [((2, 3), 48), ((3, 5), 50)], ids=["6x48", "15x50-ragged"])
+def test_linear_takes_the_kernel_for_few_bf16_rows(monkeypatch, with_bias, lead, n):
+    x, w = _bf16(*lead, 64, seed=1), _bf16(n, 64, seed=2)
+    b = _bf16(n, seed=3) if with_bias else None
+    recorder = RecordingLibrary(cpu_linear._library())
+    monkeypatch.setattr(cpu_linear, "_library", lambda: recorder)
     out = cpu_linear.linear(x, w, b)
-    assert calls and out.dtype == torch.bfloat16 and out.shape == (2, 3, 48)
-    want = (F.linear(x.float(), w.float()) + b.float()).to(torch.bfloat16)
-    torch.testing.assert_close(out, want, rtol=1e-2, atol=1e-2)
+    assert recorder.calls == 1 and out.dtype == torch.bfloat16 and out.shape == (*lead, n)
+    # The reference rounds once, from fp32 (products + bias), like the kernel.
+    want32 = F.linear(x.float(), w.float()) + (b.float() if with_bias else 0)
+    # fp32 sums in another order: at most one bf16 rounding step apart.
+    torch.testing.assert_close(out.float(), want32.to(torch.bfloat16).float(), rtol=2 ** -7,
+                               atol=1e-6)
+    assert (out == want32.to(torch.bfloat16)).float().mean() > 0.95
 
 
 def test_linear_falls_back_to_f_linear(monkeypatch):
     """fp32, long prompt chunks and a disabled kernel all give exactly F.linear."""
-    monkeypatch.setattr(cpu_linear, "gemv_bf16", lambda *a: pytest.fail("kernel used"))
+    monkeypatch.setattr(cpu_linear, "_library", lambda: RecordingLibrary(None, allowed=False))
     w = _bf16(16, 32, seed=4)
     many = _bf16(cpu_linear.MAX_ROWS + 1, 32, seed=5)
     assert torch.equal(cpu_linear.linear(many, w), F.linear(many, w))
