@@ -38,7 +38,7 @@ def _use_triton(impl: Impl, tensor: torch.Tensor) -> bool:
         return tensor.is_cuda
     if impl in ("triton", "reference", "cpu"):
         return impl == "triton"
-    raise ValueError(f"unknown impl {impl!r}; expected 'auto', 'triton' or 'reference'")
+    raise ValueError(f"unknown impl {impl!r}; expected 'auto', 'triton', 'reference' or 'cpu'")
 
 
 def store_kv(
@@ -85,7 +85,7 @@ def paged_attention(
         from .attention import paged_attention_triton
 
         return paged_attention_triton(*args)
-    if impl == "cpu" or (impl == "auto" and cpu_attention.supports(q, k_cache)):
+    if impl == "cpu" or (impl == "auto" and cpu_attention.supports(q, k_cache, v_cache)):
         return cpu_attention.paged_attention_cpu(*args)
     return paged_attention_reference(*args)
 

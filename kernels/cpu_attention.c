@@ -51,7 +51,7 @@ int paged_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uint1
 #pragma omp parallel num_threads(num_threads)
     {
         float *scores = malloc(sizeof(float) * (size_t)max_len);
-        int32_t *slots = malloc(sizeof(int32_t) * (size_t)max_len);
+        int64_t *slots = malloc(sizeof(int64_t) * (size_t)max_len);
         if (scores == NULL || slots == NULL) {
 #pragma omp atomic write
             failed = 1;
@@ -78,10 +78,9 @@ int paged_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uint1
                     const int visible = local_mask ? local_mask[t * max_query_len + j] : j <= i;
                     if (!visible) continue;
                 }
-                const int32_t slot = table[p / block_size] * (int32_t)block_size
-                                     + (int32_t)(p % block_size);
+                const int64_t slot = (int64_t)table[p / block_size] * block_size + p % block_size;
                 const float s =
-                    dot_bf16(qv, k_cache + ((int64_t)slot * num_kv_heads + kv_head) * D, D) * scale;
+                    dot_bf16(qv, k_cache + (slot * num_kv_heads + kv_head) * D, D) * scale;
                 slots[n] = slot;
                 scores[n++] = s;
                 if (s > best) best = s;
@@ -92,12 +91,12 @@ int paged_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uint1
             const float inv_total = 1.0f / total;
             for (int64_t s = 0; s < n; s++) scores[s] *= inv_total;
 
-            /* Weighted sum of V, 16 dims at a time (head_dim is a multiple of 32). */
+            /* Weighted sum of V, 16 dims at a time (head_dim is a multiple of 16). */
             uint16_t *o = out + (t * num_q_heads + h) * D;
             for (int64_t d = 0; d < D; d += 16) {
                 __m512 acc = _mm512_setzero_ps();
                 for (int64_t s = 0; s < n; s++) {
-                    const uint16_t *vv = v_cache + ((int64_t)slots[s] * num_kv_heads + kv_head) * D;
+                    const uint16_t *vv = v_cache + (slots[s] * num_kv_heads + kv_head) * D;
                     acc = _mm512_fmadd_ps(_mm512_set1_ps(scores[s]), load16_bf16_as_fp32(vv + d), acc);
                 }
                 _mm256_storeu_si256((__m256i *)(o + d), (__m256i)_mm512_cvtneps_pbh(acc));

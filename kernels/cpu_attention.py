@@ -11,11 +11,25 @@ import torch
 from .cpu_build import library
 
 
-def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether the C kernel takes these inputs (else the PyTorch reference does)."""
-    return (q.device.type == "cpu" and q.dtype == k_cache.dtype == torch.bfloat16
-            and q.shape[-1] % 32 == 0 and q.shape[1] % k_cache.shape[2] == 0
-            and k_cache.is_contiguous() and library() is not None)
+def unsupported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> str | None:
+    """Why the C kernel cannot take these inputs, or None when it can."""
+    if library() is None:
+        return "the AVX-512 BF16 CPU kernels are not available on this machine"
+    if not all(t.device.type == "cpu" for t in (q, k_cache, v_cache)):
+        return "the CPU kernel takes CPU tensors"
+    if not q.dtype == k_cache.dtype == v_cache.dtype == torch.bfloat16:
+        return "the CPU kernel takes bf16 queries and caches"
+    if q.shape[-1] != k_cache.shape[-1] or q.shape[-1] % 16:
+        return f"head_dim {q.shape[-1]} must match the cache's and be a multiple of 16"
+    if q.shape[1] % k_cache.shape[2] or k_cache.shape != v_cache.shape:
+        return "query heads must be a multiple of the cache's KV heads, K and V alike"
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return "the CPU kernel needs contiguous K and V caches"
+    return None
+
+
+def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    return unsupported(q, k_cache, v_cache) is None
 
 
 def paged_attention_cpu(
@@ -31,11 +45,10 @@ def paged_attention_cpu(
 ) -> torch.Tensor:  # [T, Hq, D] bf16
     """Runs once per layer per step: a few attribute checks, then one C call (no tensor ops
     beyond the output allocation; each costs microseconds on CPU)."""
+    reason = unsupported(q, k_cache, v_cache)
+    if reason is not None:
+        raise ValueError(f"paged_attention_cpu: {reason}")
     lib = library()
-    if lib is None:
-        raise RuntimeError("the AVX-512 BF16 CPU kernels are not available on this machine")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("paged_attention_cpu needs contiguous K and V caches")
     q, tables = q.contiguous(), block_tables.to(torch.int32).contiguous()
     starts = query_start_loc.to(torch.int32).contiguous()
     contexts = context_lens.to(torch.int32).contiguous()

@@ -33,7 +33,7 @@ SIGNATURES = {
     "paged_attention_bf16": ([_p] * 3 + [_p, _i64] + [_p] * 3 + [_i64] * 6 + [_f32, _p, _i32],
                              ctypes.c_int),
     "rms_norm_bf16": ([_p] * 3 + [_i64] * 2 + [_f32], None),
-    "rotary_bf16": ([_p] + [_i64] * 4 + [_p] * 3, None),
+    "rotary_bf16": ([_p] + [_i64] * 4 + [_p] * 2 + [_i64, _p], ctypes.c_int),
 }
 
 
@@ -43,11 +43,11 @@ def library() -> ctypes.CDLL | None:
         return None
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
-        log.info("no C compiler: the CPU kernels fall back to PyTorch")
+        log.warning("no C compiler (set CC): the CPU kernels fall back to PyTorch")
         return None
     try:
         lib = ctypes.CDLL(str(_build(compiler)))
-    except (OSError, subprocess.CalledProcessError) as exc:
+    except (OSError, RuntimeError, KeyError, subprocess.CalledProcessError) as exc:
         detail = getattr(exc, "stderr", b"") or b""
         log.warning("building the CPU kernels failed (%s %s): using PyTorch", exc,
                     detail.decode(errors="replace")[-500:])
@@ -63,7 +63,8 @@ def _build(compiler: str) -> Path:
     digest = hashlib.sha256(" ".join([compiler, *FLAGS]).encode())
     for source in SOURCES:
         digest.update(source.read_bytes())
-    cache_root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    # An unset or empty XDG_CACHE_HOME means ~/.cache (Path.home() raises without a home).
+    cache_root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     target = cache_root / "specserve" / "cpu_kernels" / f"kernels-{digest.hexdigest()[:16]}.so"
     if target.is_file():
         return target

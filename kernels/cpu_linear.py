@@ -31,9 +31,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     x2 = x.reshape(rows, x.shape[-1]).contiguous()  # [rows, K]
     _check_features(x2, weight)
     out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=torch.bfloat16)  # [..., N]
+    bias = None if bias is None else bias.contiguous()  # kept alive through the call
     # One pass: products, bias and the rounding to bf16 all in the kernel.
     lib.gemv_bf16(x2.data_ptr(), weight.data_ptr(),
-                  None if bias is None else bias.contiguous().data_ptr(), None, out.data_ptr(),
+                  None if bias is None else bias.data_ptr(), None, out.data_ptr(),
                   rows, weight.shape[0], x.shape[-1], torch.get_num_threads())
     return out
 

@@ -42,10 +42,14 @@ void rms_norm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t T,
 }
 
 /* In place on x [T, row_stride] bf16: heads [0, num_heads) of head_dim values each, starting at
- * the row start; cos, sin [max_positions, head_dim / 2] fp32; positions [T] int64. */
-void rotary_bf16(uint16_t *x, int64_t T, int64_t row_stride, int64_t num_heads, int64_t head_dim,
-                 const float *cos_table, const float *sin_table, const int64_t *positions) {
+ * the row start; cos, sin [max_positions, head_dim / 2] fp32; positions [T] int64. Returns -1,
+ * changing nothing, when a position is outside the tables. */
+int rotary_bf16(uint16_t *x, int64_t T, int64_t row_stride, int64_t num_heads, int64_t head_dim,
+                const float *cos_table, const float *sin_table, int64_t max_positions,
+                const int64_t *positions) {
     const int64_t half = head_dim / 2;
+    for (int64_t t = 0; t < T; t++)
+        if (positions[t] < 0 || positions[t] >= max_positions) return -1;
     for (int64_t t = 0; t < T; t++) {
         const float *c = cos_table + positions[t] * half, *s = sin_table + positions[t] * half;
         for (int64_t h = 0; h < num_heads; h++) {
@@ -57,4 +61,5 @@ void rotary_bf16(uint16_t *x, int64_t T, int64_t row_stride, int64_t num_heads, 
             }
         }
     }
+    return 0;
 }

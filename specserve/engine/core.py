@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from ..config import EngineConfig
+from ..kernels import cpu_build
 from ..model.loader import load_model, load_tokenizer
 from ..model.runner import ModelRunner, Segment, kv_bytes_per_block
 from ..outputs import RequestDelta
@@ -63,6 +64,8 @@ class EngineCore:
         self.draft = load_model(config.draft, config.dtype, config.device) if config.draft else None
         if self.draft is not None:
             _check_same_vocabulary(config.target, config.draft, self.tokenizer)
+        if str(config.device).startswith("cpu"):
+            cpu_build.library()  # compile the CPU kernels now, not inside the first request
         self.default_mode = parse_speculation(config.speculation, self.draft is not None,
                                               str(config.device))
         self.eos_token_ids = _eos_token_ids(config.target, self.tokenizer)
@@ -192,8 +195,11 @@ class EngineCore:
         stats.draft_time_s += t2 - t1
         stats.verify_time_s += t3 - t2
         stats.accept_time_s += t4 - t3
-        draft_levels = self.proposer.last_num_forwards if self.proposer is not None else 0
-        self.adaptive.observe_step(t3 - t2, t2 - t1, draft_levels)
+        if self.proposer is not None:
+            self.adaptive.observe_step(t3 - t2, self.proposer.last_levels_time_s,
+                                       self.proposer.last_num_levels)
+        else:
+            self.adaptive.observe_step(t3 - t2, 0.0, 0)
         return deltas
 
     def _propose(self, scheduled: list[ScheduledRequest]) -> dict[str, TokenTree]:

@@ -8,7 +8,12 @@ on average
     E(k) = 1 + a_1 + a_1 a_2 + ... + a_1 ... a_k      tokens per target forward
 
 and costs about T_target + k * T_draft, so the controller picks the k in 0..MAX_CHAIN with the
-most expected tokens per second (k = 0: no speculation this step). Estimates are exponentially
+most expected tokens per second (k = 0: no speculation this step). T_target is the measured
+target forward of recent steps, whatever they verified: the model ignores that verifying more
+rows costs more (on a CPU about 1.3x for 5 rows), which leans it towards longer chains.
+T_draft is measured on the tree-growing draft forwards only (the catch-up forward that yields
+depth 1 also carries other requests' prompt chunks and deferred tokens, which would inflate it);
+a chain of k runs about k draft forwards, the catch-up among them. Estimates are exponentially
 weighted, so a request whose text turns predictable (code, quotes) lengthens its chain and one
 that wanders shortens it. A request that stopped speculating probes with one token every
 PROBE_EVERY steps so it can notice when drafting pays again.
@@ -51,11 +56,11 @@ class AdaptiveController:
             k = 1
         return SpecMode("chain", k) if k else OFF
 
-    def observe_step(self, target_time_s: float, draft_time_s: float, draft_levels: int) -> None:
-        """Timing of one engine step (draft levels: draft forwards it ran, catch-up included)."""
+    def observe_step(self, target_time_s: float, levels_time_s: float, draft_levels: int) -> None:
+        """Timing of one engine step: its target forward, and its tree-growing draft forwards."""
         self.target_time_s = _ewma(self.target_time_s, target_time_s)
         if draft_levels:
-            self.draft_level_time_s = _ewma(self.draft_level_time_s, draft_time_s / draft_levels)
+            self.draft_level_time_s = _ewma(self.draft_level_time_s, levels_time_s / draft_levels)
 
     def observe_verdict(self, request_id: str, chain_length: int, num_accepted: int) -> None:
         """After verification: depths 1..accepted+1 were tried; the first `accepted` passed."""

@@ -18,6 +18,7 @@ what it already has.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -73,7 +74,9 @@ class _Growing:
 class DraftModelProposer:
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
-        self.last_num_forwards = 0  # draft forwards in the latest propose() (cost accounting)
+        # The latest propose()'s tree-growing forwards (catch-up excluded): adaptive's cost model.
+        self.last_num_levels = 0
+        self.last_levels_time_s = 0.0
 
     # ---- drafting -------------------------------------------------------------------------
     def propose(self, scheduled: Sequence[ScheduledRequest],
@@ -100,11 +103,10 @@ class DraftModelProposer:
             if speculating:
                 mode = modes[req.request_id]
                 growing.append(self._start(req, mode, item.num_spec_slots))
-        self.last_num_forwards = 0
+        self.last_num_levels, self.last_levels_time_s = 0, 0.0
         if not catch_up:
             return {}
         logits = self.runner.forward(catch_up)
-        self.last_num_forwards = 1
         roots = iter(lg[0] for seg, lg in zip(catch_up, logits) if seg.logit_rows)
         for g in growing:
             g.expand[0] = next(roots)
@@ -175,7 +177,7 @@ class DraftModelProposer:
     def _forward_pending(self, growing: list[_Growing]) -> None:
         if not growing:
             return
-        self.last_num_forwards += 1
+        start = time.perf_counter()
         segments = []
         for g in growing:
             fwd = g.forwarded
@@ -193,6 +195,8 @@ class DraftModelProposer:
             for node, row in zip(g.pending, logits):
                 g.expand[node] = row
             g.pending = []
+        self.last_num_levels += 1
+        self.last_levels_time_s += time.perf_counter() - start
 
     def _finish(self, g: _Growing) -> TokenTree:
         keep = list(range(len(g.tokens)))

@@ -11,12 +11,10 @@ from paged_cases import (
     make_batch,
     mixed_requests,
 )
-from specserve.kernels import cpu_attention, paged_attention
+from specserve.kernels import cpu_attention, cpu_build, paged_attention
 
-pytestmark = pytest.mark.skipif(
-    not cpu_attention.supports(torch.zeros(1, 1, 32, dtype=torch.bfloat16),
-                               torch.zeros(1, 1, 1, 32, dtype=torch.bfloat16)),
-    reason="no AVX-512 BF16 CPU or no C compiler")
+pytestmark = pytest.mark.skipif(cpu_build.library() is None,
+                                reason="no AVX-512 BF16 CPU or no C compiler")
 
 def requests(seed: int) -> list:
     return [*mixed_requests(seed), (300, DECODE)]  # and a decode over many pages
@@ -52,3 +50,23 @@ def test_auto_takes_the_kernel_for_bf16_and_the_reference_for_fp32(monkeypatch):
     fp32 = make_batch(requests(0), num_q_heads=4, num_kv_heads=2, head_dim=64)
     paged_attention(*fp32.args())
     assert calls == [1]
+
+
+def test_inputs_the_kernel_cannot_take_are_a_clear_error():
+    fp32 = make_batch(requests(0), num_q_heads=4, num_kv_heads=2, head_dim=64)
+    with pytest.raises(ValueError, match="bf16"):
+        paged_attention(*fp32.args(), impl="cpu")
+    odd = make_batch([(5, DECODE)], num_q_heads=2, num_kv_heads=1, head_dim=40,
+                     dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        paged_attention(*odd.args(), impl="cpu")
+    # "auto" falls back to the reference for them.
+    out = paged_attention(*odd.args())
+    torch.testing.assert_close(out.double(), brute_force_attention(odd), atol=2e-2, rtol=2e-2)
+
+
+def test_head_dim_48_runs_in_the_kernel():
+    batch = make_batch(requests(3), num_q_heads=4, num_kv_heads=2, head_dim=48,
+                       dtype=torch.bfloat16)
+    out = paged_attention(*batch.args(), impl="cpu")
+    torch.testing.assert_close(out.double(), brute_force_attention(batch), atol=2e-2, rtol=2e-2)

@@ -56,3 +56,13 @@ def test_fp32_inputs_take_the_pytorch_path():
     assert cpu_norm_rope.rms_norm(torch.randn(2, 8), torch.ones(8), 1e-6) is None
     assert not cpu_norm_rope.rotary_(torch.randn(2, 8), 1, 8, torch.ones(4, 4), torch.ones(4, 4),
                                      torch.tensor([0, 1]))
+
+
+def test_rotary_position_outside_the_table_is_an_error_and_changes_nothing():
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 32, 2).float() / 32))
+    rotary = RotaryEmbedding(32, 16, inv_freq)
+    qkv = torch.randn(2, 3 * 32).to(torch.bfloat16)
+    before = qkv.clone()
+    with pytest.raises(IndexError, match="positions"):
+        rotary.rotate_qk_(torch.tensor([3, 16]), qkv, 1, 1)
+    assert torch.equal(qkv, before)

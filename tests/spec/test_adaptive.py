@@ -22,14 +22,14 @@ def test_best_chain_length_trades_acceptance_against_draft_cost():
 
 def test_controller_lengthens_on_acceptance_and_stops_on_rejection_then_probes():
     ctl = AdaptiveController()
-    ctl.observe_step(target_time_s=0.010, draft_time_s=0.001, draft_levels=1)
+    ctl.observe_step(target_time_s=0.010, levels_time_s=0.001, draft_levels=1)
     start = ctl.mode_for("a").num_tokens
     for _ in range(30):
         k = ctl.mode_for("a").num_tokens
         ctl.observe_verdict("a", k, k)  # everything accepted
     assert ctl.mode_for("a").num_tokens == MAX_CHAIN > start
 
-    ctl.observe_step(target_time_s=0.010, draft_time_s=0.005, draft_levels=1)
+    ctl.observe_step(target_time_s=0.010, levels_time_s=0.005, draft_levels=1)
     for _ in range(40):
         mode = ctl.mode_for("b")
         ctl.observe_verdict("b", mode.num_tokens, 0)  # nothing accepted
