@@ -4,12 +4,15 @@
 # torch comes first and on its own: when no torch is installed, a bare `torch` requirement makes
 # pip fetch the default (CUDA) build of several GB. A torch wheel in pip's local wheelhouse
 # (`find-links`, e.g. a CPU build on a CPU machine) is preferred; without one, pip's default
-# index decides. An already installed torch is kept whatever its version.
+# index decides. An installed torch is kept when it meets pyproject's requirement.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 extras="${1:-}"
-if ! python -c "import torch" >/dev/null 2>&1; then
+# The active environment's interpreter: `python` in a virtualenv, else python3.
+PY=$(command -v python || command -v python3)
+pip() { "$PY" -m pip "$@"; }
+if ! "$PY" -c "import torch" >/dev/null 2>&1; then
     if pip install --no-index --no-deps torch >/dev/null 2>&1; then
         # The wheelhouse gave torch alone; its dependencies come from the index, torch pinned to it.
         pip install "torch==$(pip show torch | sed -n 's/^Version: //p')"
