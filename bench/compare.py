@@ -27,8 +27,10 @@ equal the checked ones.
 Columns: tok/s = generated tokens / end-to-end time, each prompt taking its best round (the least
 disturbed one), with the median and min-max over whole rounds in brackets; ms/tok = decode time
 per token after the first (end-to-end minus TTFT); TTFT = request start to first token; accept =
-tokens per target forward while decoding (the prefill forward is left out, as in specserve's
-``acceptance_length``; transformers rows count target forwards with a hook). The profile table
+tokens per target forward while decoding (a forward over the prompt alone, which commits one
+token, is left out, as in specserve's ``acceptance_length``; assisted generation verifies drafts
+from its first forward on, so all its forwards count; transformers rows count target forwards
+with a hook). The profile table
 splits specserve's time per generated token (prefill included; each prompt's best round) into
 the engine's stages (``EngineStats``): draft, verify (target forward), schedule, accept
 (verification, KV moves, commits) and other (the ``generate`` loop outside ``step``). The
@@ -90,6 +92,10 @@ class Sample:
     ttft_s: float
     target_forwards: int  # prefill included
     stage_s: dict[str, float] = field(default_factory=dict)  # specserve: EngineStats deltas
+    # Forwards that committed exactly one token from the prompt alone: 1 for specserve and
+    # transformers greedy; 0 for assisted generation, whose first forward already verifies
+    # draft tokens after the prompt and may commit several.
+    prefill_forwards: int = 1
 
 
 Runner = Callable[[list[int]], Sample]
@@ -194,7 +200,8 @@ def transformers_runner(model, max_tokens: int, assistant=None, ignore_eos: bool
                              assistant_model=assistant, streamer=clock)
         e2e = time.perf_counter() - start
         ttft = (clock.first or start + e2e) - start
-        return Sample(out[0, len(prompt):].tolist(), e2e, ttft, model.forward_calls - calls)
+        return Sample(out[0, len(prompt):].tolist(), e2e, ttft, model.forward_calls - calls,
+                      prefill_forwards=0 if assistant is not None else 1)
 
     return run
 
@@ -266,10 +273,11 @@ class Row:
 
     @property
     def acceptance_length(self) -> float:
-        """Tokens per target forward while decoding (the prefill forward left out)."""
+        """Tokens per target forward while decoding (a prompt-only forward left out)."""
         first = self.samples[0]
-        forwards = sum(s.target_forwards - 1 for s in first)
-        return sum(len(s.token_ids) - 1 for s in first) / forwards if forwards > 0 else 1.0
+        forwards = sum(s.target_forwards - s.prefill_forwards for s in first)
+        tokens = sum(len(s.token_ids) - s.prefill_forwards for s in first)
+        return tokens / forwards if forwards > 0 else 1.0
 
     @property
     def stage_ms_per_token(self) -> dict[str, float]:

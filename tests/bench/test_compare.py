@@ -87,6 +87,9 @@ def test_row_summary_and_roofline_from_known_numbers() -> None:
     assert row.ttft_ms == pytest.approx(100.0)
     assert row.acceptance_length == 1.0
     assert Row("chain", [[_sample(11, 1.0, 0.1, 5)]]).acceptance_length == pytest.approx(2.5)
+    # Assisted generation: its first forward already verifies drafts, so every forward counts.
+    assisted = Sample(list(range(12)), 1.0, 0.1, 4, prefill_forwards=0)
+    assert Row("assisted", [[assisted]]).acceptance_length == pytest.approx(3.0)
     # The stage profile comes from each prompt's best round: 10 tokens in 1.0 s.
     fast = Sample([0] * 10, 1.0, 0.1, 10, {"draft": 0.1, "verify": 0.5, "schedule": 0.0,
                                           "accept": 0.1})
