@@ -44,6 +44,7 @@ class EngineStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
+    drafted_per_pos: list[int] = field(default_factory=list)
     num_finished: int = 0
     schedule_time_s: float = 0.0
     draft_time_s: float = 0.0
@@ -188,6 +189,9 @@ class EngineCore:
                     for item in out.scheduled]
         logits = self.runner.forward(segments)
         t3 = time.perf_counter()
+        for item in out.scheduled:
+            item.request.spec.draft_time_s += t2 - t1
+            item.request.spec.verify_time_s += t3 - t2
         deltas = self._accept(out.scheduled, trees, segments, logits)
         t4 = time.perf_counter()
         stats = self.stats
@@ -267,7 +271,7 @@ class EngineCore:
             if tree.draft_rows is not None and self.proposer is not None and \
                     self._mode(req).needs_draft_model:
                 self.proposer.after_verify(req, tree, verdict)
-            _count_draft(req.spec, stats, len(tree) - 1, len(accepted))
+            _count_draft(req.spec, stats, len(tree) - 1, len(accepted), _depth(tree.parents))
         if item.num_new_tokens == 1 and self._configured_mode(req).kind == "adaptive":
             self.adaptive.observe_verdict(req.request_id, len(tree) - 1, len(accepted))
         req.num_computed_tokens += item.num_new_tokens + len(accepted)
@@ -295,15 +299,25 @@ class EngineCore:
         return delta
 
 
-def _count_draft(spec, stats: EngineStats, num_nodes: int, num_accepted: int) -> None:
+def _count_draft(spec, stats: EngineStats, num_nodes: int, num_accepted: int,
+                 depth: int) -> None:
     for counters in (spec, stats):
         counters.num_drafts += 1
         counters.num_draft_tokens += num_nodes
         counters.num_accepted_tokens += num_accepted
-        per_pos = counters.accepted_per_pos
-        per_pos.extend([0] * (num_accepted - len(per_pos)))
-        for d in range(num_accepted):
-            per_pos[d] += 1
+        for per_pos, count in ((counters.accepted_per_pos, num_accepted),
+                               (counters.drafted_per_pos, depth)):
+            per_pos.extend([0] * (count - len(per_pos)))
+            for d in range(count):
+                per_pos[d] += 1
+
+
+def _depth(parents: list[int]) -> int:
+    """Depth of the deepest node of a tree given parent indices (parents come first)."""
+    depths = [0] * len(parents)
+    for node, parent in enumerate(parents[1:], start=1):
+        depths[node] = depths[parent] + 1
+    return max(depths)
 
 
 def _eos_token_ids(path: Path, tokenizer) -> frozenset[int]:

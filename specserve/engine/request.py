@@ -32,7 +32,11 @@ class SpecStats:
     num_draft_tokens: int = 0  # tree nodes proposed, root excluded
     num_accepted_tokens: int = 0  # draft tokens committed
     accepted_per_pos: list[int] = field(default_factory=list)  # accepted at depth 1, 2, ...
+    drafted_per_pos: list[int] = field(default_factory=list)  # drafts reaching depth 1, 2, ...
     num_target_steps: int = 0  # target forwards that committed tokens for this request
+    # Time of the draft and target-forward stages of the steps this request took part in.
+    draft_time_s: float = 0.0
+    verify_time_s: float = 0.0
 
 
 class Request:
@@ -153,6 +157,11 @@ class Request:
             "num_draft_tokens": spec.num_draft_tokens,
             "num_accepted_tokens": spec.num_accepted_tokens,
             "accepted_per_pos": list(spec.accepted_per_pos),
+            # Of the drafts that reached depth d, the share whose depth-d token was accepted.
+            "acceptance_rate_per_pos": [a / n for a, n in zip(
+                spec.accepted_per_pos + [0] * len(spec.drafted_per_pos), spec.drafted_per_pos)],
+            "draft_time_s": spec.draft_time_s,
+            "verify_time_s": spec.verify_time_s,
             "num_target_steps": steps,
             "num_prompt_tokens": len(self.prompt_token_ids),
             "num_output_tokens": len(self.output_token_ids),

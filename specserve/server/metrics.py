@@ -128,6 +128,9 @@ def request_metrics(m: dict | None) -> dict:
         "num_draft_tokens": m["num_draft_tokens"],
         "num_accepted_tokens": m["num_accepted_tokens"],
         "accepted_per_pos": m["accepted_per_pos"],
+        "acceptance_rate_per_pos": [round(r, 4) for r in m.get("acceptance_rate_per_pos", [])],
+        "draft_ms": round(m.get("draft_time_s", 0.0) * 1e3, 3),
+        "verify_ms": round(m.get("verify_time_s", 0.0) * 1e3, 3),
         "num_prefix_cached_tokens": m.get("num_prefix_cached_tokens", 0),
         "num_preemptions": m.get("num_preemptions", 0),
     }

@@ -46,6 +46,11 @@ def test_stream_equals_llm_generate(server, reference):
                              "total_tokens": len(expected.prompt_token_ids) + 24}
     assert done["metrics"]["acceptance_length"] > 1.0
     assert done["metrics"]["ttft_ms"] <= done["metrics"]["e2e_ms"]
+    # Self-drafting accepts every drafted depth; stage times are part of the request's time.
+    assert done["metrics"]["acceptance_rate_per_pos"]
+    assert set(done["metrics"]["acceptance_rate_per_pos"]) == {1.0}
+    stage_ms = done["metrics"]["draft_ms"] + done["metrics"]["verify_ms"]
+    assert 0 < stage_ms <= done["metrics"]["e2e_ms"]
 
 
 def test_chat_messages_use_the_chat_template(server, reference):

@@ -82,6 +82,8 @@ def test_copy_of_target_accepts_everything(tiny_target):
         assert out.metrics["acceptance_length"] == k + 1
         assert out.metrics["num_accepted_tokens"] == 5 * k
         assert out.metrics["accepted_per_pos"] == [5] * k
+        assert out.metrics["acceptance_rate_per_pos"] == [1.0] * k
+        assert out.metrics["draft_time_s"] > 0 and out.metrics["verify_time_s"] > 0
 
 
 def test_random_draft_still_exact_and_counts_drafts(spec_llm, expected):
@@ -92,6 +94,11 @@ def test_random_draft_still_exact_and_counts_drafts(spec_llm, expected):
     assert m["num_drafts"] > 0 and m["num_draft_tokens"] >= m["num_drafts"]
     assert 0 <= m["num_accepted_tokens"] <= m["num_draft_tokens"]
     assert 1.0 <= m["acceptance_length"] <= 5.0
+    rates = m["acceptance_rate_per_pos"]
+    assert len(rates) == 4 and all(0.0 <= r <= 1.0 for r in rates)
+    accepted = m["accepted_per_pos"] + [0] * 4
+    # Every draft reaches depth 1: the depth-1 rate is accepted-at-1 over all drafts.
+    assert rates[0] == accepted[0] / m["num_drafts"]
 
 
 def test_stop_inside_accepted_run(tiny_target, expected):
