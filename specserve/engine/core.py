@@ -199,11 +199,12 @@ class EngineCore:
         stats.draft_time_s += t2 - t1
         stats.verify_time_s += t3 - t2
         stats.accept_time_s += t4 - t3
+        rows = sum(len(seg.token_ids) for seg in segments)
         if self.proposer is not None:
-            self.adaptive.observe_step(t3 - t2, self.proposer.last_levels_time_s,
+            self.adaptive.observe_step(t3 - t2, rows, self.proposer.last_levels_time_s,
                                        self.proposer.last_num_levels)
         else:
-            self.adaptive.observe_step(t3 - t2, 0.0, 0)
+            self.adaptive.observe_step(t3 - t2, rows, 0.0, 0)
         return deltas
 
     def _propose(self, scheduled: list[ScheduledRequest]) -> dict[str, TokenTree]:

@@ -7,16 +7,18 @@ on average
 
     E(k) = 1 + a_1 + a_1 a_2 + ... + a_1 ... a_k      tokens per target forward
 
-and costs about T_target + k * T_draft, so the controller picks the k in 0..MAX_CHAIN with the
-most expected tokens per second (k = 0: no speculation this step). T_target is the measured
-target forward of recent steps, whatever they verified: the model ignores that verifying more
-rows costs more (on a CPU about 1.3x for 5 rows), which leans it towards longer chains.
-T_draft is measured on the tree-growing draft forwards only (the catch-up forward that yields
-depth 1 also carries other requests' prompt chunks and deferred tokens, which would inflate it);
-a chain of k runs about k draft forwards, the catch-up among them. Estimates are exponentially
-weighted, so a request whose text turns predictable (code, quotes) lengthens its chain and one
-that wanders shortens it. A request that stopped speculating probes with one token every
-PROBE_EVERY steps so it can notice when drafting pays again.
+and costs about T_target + k * (T_draft + T_row), so the controller picks the k in
+0..MAX_CHAIN with the most expected tokens per second (k = 0: no speculation this step).
+T_target is the measured target forward of recent decode steps; T_row what one more query row
+adds to it, the slope of a running least-squares fit of forward time against rows per forward
+(near 0 on a GPU, where verifying a few dozen rows costs about one; clearly not on a CPU, where
+every row is compute). T_draft is measured on the tree-growing draft forwards only (the
+catch-up forward that yields depth 1 also carries other requests' prompt chunks and deferred
+tokens, which would inflate it); a chain of k runs about k draft forwards, the catch-up among
+them. Estimates are exponentially weighted, so a request whose text turns predictable (code,
+quotes) lengthens its chain and one that wanders shortens it. A request that stopped
+speculating probes with one token every PROBE_EVERY steps so it can notice when drafting pays
+again.
 
 The choice is a pure function of state that changes only after verification, so the scheduler
 (which reserves KV slots) and the proposer (which drafts) see the same mode within a step.
@@ -32,6 +34,8 @@ MAX_CHAIN = 8
 PRIOR_ACCEPTANCE = 0.6  # before anything is measured: optimistic enough to try drafting
 DECAY = 0.8  # weight of the old estimate per observation
 PROBE_EVERY = 16
+MAX_FIT_ROWS = 64  # target forwards with more query rows (prompt chunks) stay out of the fit
+FIT_DECAY = 0.95
 
 
 @dataclass
@@ -44,6 +48,8 @@ class _RequestState:
 class AdaptiveController:
     target_time_s: float | None = None  # EWMA of one target forward
     draft_level_time_s: float | None = None  # EWMA of one draft forward level
+    # Running moments of (rows, seconds) of target forwards, for the time one row adds.
+    _fit: list[float] | None = None  # E[x], E[y], E[x^2], E[xy]
     engine_acceptance: list[float] = field(
         default_factory=lambda: [PRIOR_ACCEPTANCE] * MAX_CHAIN)
     _requests: dict[str, _RequestState] = field(default_factory=dict)
@@ -56,9 +62,15 @@ class AdaptiveController:
             k = 1
         return SpecMode("chain", k) if k else OFF
 
-    def observe_step(self, target_time_s: float, levels_time_s: float, draft_levels: int) -> None:
-        """Timing of one engine step: its target forward, and its tree-growing draft forwards."""
-        self.target_time_s = _ewma(self.target_time_s, target_time_s)
+    def observe_step(self, target_time_s: float, target_rows: int, levels_time_s: float,
+                     draft_levels: int) -> None:
+        """Timing of one engine step: its target forward over `target_rows` query rows, and its
+        tree-growing draft forwards. Steps with long prompt chunks say little about decode."""
+        if target_rows <= MAX_FIT_ROWS:
+            self.target_time_s = _ewma(self.target_time_s, target_time_s)
+            point = [target_rows, target_time_s, target_rows ** 2, target_rows * target_time_s]
+            self._fit = point if self._fit is None else [
+                FIT_DECAY * old + (1 - FIT_DECAY) * new for old, new in zip(self._fit, point)]
         if draft_levels:
             self.draft_level_time_s = _ewma(self.draft_level_time_s, levels_time_s / draft_levels)
 
@@ -85,15 +97,25 @@ class AdaptiveController:
             state = self._requests[request_id] = _RequestState(list(self.engine_acceptance))
         return state
 
+    def row_time_s(self) -> float:
+        """What one more query row adds to a target forward (0 until rows have varied)."""
+        if self._fit is None:
+            return 0.0
+        mean_x, mean_y, mean_xx, mean_xy = self._fit
+        var = mean_xx - mean_x ** 2
+        return max(0.0, (mean_xy - mean_x * mean_y) / var) if var > 0.25 else 0.0
+
     def _cost_ratio(self) -> float:
-        """Cost of one draft level relative to one target forward (0.25 until measured)."""
+        """Cost of one more chain token (a draft level and a verified row) relative to one
+        target forward (0.25 until measured)."""
         if not self.target_time_s or self.draft_level_time_s is None:
             return 0.25
-        return self.draft_level_time_s / self.target_time_s
+        return (self.draft_level_time_s + self.row_time_s()) / self.target_time_s
 
 
 def best_chain_length(acceptance: list[float], draft_cost_ratio: float) -> int:
-    """The k maximising E(k) / (1 + k * draft_cost_ratio) (see the module docstring)."""
+    """The k maximising E(k) / (1 + k * draft_cost_ratio) (see the module docstring; the
+    ratio is one chain token's cost over one target forward's)."""
     best_k, best_rate = 0, 1.0
     expected, reach = 1.0, 1.0
     for k, a in enumerate(acceptance, start=1):

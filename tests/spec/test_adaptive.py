@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from specserve import LLM, SamplingParams
 from specserve.spec.adaptive import (
     MAX_CHAIN,
@@ -22,14 +24,14 @@ def test_best_chain_length_trades_acceptance_against_draft_cost():
 
 def test_controller_lengthens_on_acceptance_and_stops_on_rejection_then_probes():
     ctl = AdaptiveController()
-    ctl.observe_step(target_time_s=0.010, levels_time_s=0.001, draft_levels=1)
+    ctl.observe_step(target_time_s=0.010, target_rows=1, levels_time_s=0.001, draft_levels=1)
     start = ctl.mode_for("a").num_tokens
     for _ in range(30):
         k = ctl.mode_for("a").num_tokens
         ctl.observe_verdict("a", k, k)  # everything accepted
     assert ctl.mode_for("a").num_tokens == MAX_CHAIN > start
 
-    ctl.observe_step(target_time_s=0.010, levels_time_s=0.005, draft_levels=1)
+    ctl.observe_step(target_time_s=0.010, target_rows=1, levels_time_s=0.005, draft_levels=1)
     for _ in range(40):
         mode = ctl.mode_for("b")
         ctl.observe_verdict("b", mode.num_tokens, 0)  # nothing accepted
@@ -60,3 +62,16 @@ def test_adaptive_with_a_copy_draft_grows_its_chain(tiny_target):
     assert not ctl._requests  # finished requests are forgotten
     llm.engine.block_manager.check_no_leak()
 
+
+
+def test_row_cost_is_fitted_from_forwards_of_varying_size_and_shortens_chains():
+    ctl = AdaptiveController()
+    acceptance = [0.8] * MAX_CHAIN
+    for rows in [1, 3, 5, 2, 4, 6, 1, 5] * 4:  # 10 ms + 2 ms per row; drafts 0.5 ms a level
+        ctl.observe_step(0.010 + 0.002 * rows, rows, 0.0005, 1)
+    assert ctl.row_time_s() == pytest.approx(0.002, rel=1e-6)
+    # Prompt chunks stay out of the fit.
+    ctl.observe_step(1.0, 500, 0.0, 0)
+    assert ctl.row_time_s() == pytest.approx(0.002, rel=1e-6)
+    cheap_rows = best_chain_length(acceptance, 0.0005 / ctl.target_time_s)
+    assert best_chain_length(acceptance, ctl._cost_ratio()) < cheap_rows
