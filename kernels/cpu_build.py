@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name)
            for name in ("cpu_gemv.c", "cpu_attention.c", "cpu_norm_rope.c")]
+HEADER = Path(__file__).with_name("cpu_bf16.h")  # included by the sources
 # No FMA contraction: the elementwise kernels round like the PyTorch ops they replace.
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-ffp-contract=off",
          "-fopenmp", "-shared", "-fPIC"]
@@ -61,7 +62,7 @@ def library() -> ctypes.CDLL | None:
 def _build(compiler: str) -> Path:
     """Compile once per sources, flags and compiler; concurrent builders each rename atomically."""
     digest = hashlib.sha256(" ".join([compiler, *FLAGS]).encode())
-    for source in SOURCES:
+    for source in [*SOURCES, HEADER]:
         digest.update(source.read_bytes())
     # An unset or empty XDG_CACHE_HOME means ~/.cache (Path.home() raises without a home).
     cache_root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")

@@ -28,6 +28,8 @@
 #include <immintrin.h>
 #include <stdint.h>
 
+#include "cpu_bf16.h"
+
 #define MR_MAX 6
 #define SEQUENTIAL_ROWS 8
 #define WIDE_K 2048
@@ -46,17 +48,6 @@ static inline Output output_at(Output o, int64_t y_offset, int64_t bias_offset) 
     if (o.bf16) o.bf16 += y_offset;
     if (o.bias) o.bias += bias_offset;
     return o;
-}
-
-static inline float bf16_to_f32(uint16_t v) {
-    union { uint32_t u; float f; } c = {(uint32_t)v << 16};
-    return c.f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, NaN kept quiet */
-    union { float f; uint32_t u; } c = {f};
-    if ((c.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((c.u >> 16) | 0x40u);
-    return (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
 }
 
 static inline void store(Output o, int64_t y_index, int64_t column, float value) {

@@ -11,16 +11,7 @@
 #include <math.h>
 #include <stdint.h>
 
-static inline float bf16_to_f32(uint16_t v) {
-    union { uint32_t u; float f; } c = {(uint32_t)v << 16};
-    return c.f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, NaN kept quiet */
-    union { float f; uint32_t u; } c = {f};
-    if ((c.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((c.u >> 16) | 0x40u);
-    return (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
-}
+#include "cpu_bf16.h"
 
 /* x, y [T, H] bf16; w [H] bf16. */
 void rms_norm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t T, int64_t H,
