@@ -461,9 +461,16 @@ def environment(threads: int) -> dict:
 
 
 # ---- CLI ------------------------------------------------------------------------------------
+def usable_cores() -> int:
+    """Cores this process may run on (every core where the OS cannot say)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def add_common_args(parser: argparse.ArgumentParser) -> None:
     """Options shared with bench.speculation."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = usable_cores()
     parser.add_argument("--prompts", type=int, default=4, help="held-out prompts (1..24)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--ignore-eos", action="store_true", help="always generate max-tokens")

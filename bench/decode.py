@@ -46,6 +46,7 @@ from pathlib import Path
 
 import torch
 
+from bench.compare import usable_cores
 from bench.roofline import measure_read_bandwidth, roofline_fraction, weight_bytes
 
 # Qwen2.5-0.5B's shape (its config.json), for a random-init stand-in.
@@ -358,7 +359,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
+    parser.add_argument("--threads", type=int, default=usable_cores(),
                         help="torch threads (default: every core this process may use)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--bandwidth-gib", type=float, default=1.0,

@@ -342,12 +342,15 @@ class WebSocketBackend:
         key = self.config.api_key
         headers = {"Authorization": f"Bearer {key}"} if key else None
         url = self.config.ws_url
+        ws = None
         try:
             ws = await connect(url, subprotocols=["specserve.v1"], compression=None,
                                additional_headers=headers, open_timeout=10, proxy=None,
                                max_size=None)
             first = orjson.loads(await asyncio.wait_for(ws.recv(), 10))
         except (OSError, InvalidHandshake, ConnectionClosed, asyncio.TimeoutError) as exc:
+            if ws is not None:  # connected, but no session.created: do not leak the socket
+                await ws.close()
             raise BenchError(f"cannot connect to {url}: {type(exc).__name__}: {exc}") from exc
         if first.get("type") != "session.created":
             await ws.close()
