@@ -26,7 +26,7 @@ from ..sampling import SamplingParams, process_logits
 from ..spec.adaptive import AdaptiveController
 from ..spec.modes import SpecMode, parse_speculation
 from ..spec.proposers import DraftModelProposer, NgramProposer, spec_slots_for
-from ..spec.tree import build_tree_buffers
+from ..spec.tree import build_tree_buffers, node_depths
 from ..spec.verify import TokenTree, Verdict, verify_greedy, verify_sampled
 from .block_manager import BlockManager
 from .request import Request
@@ -199,12 +199,10 @@ class EngineCore:
         stats.draft_time_s += t2 - t1
         stats.verify_time_s += t3 - t2
         stats.accept_time_s += t4 - t3
-        rows = sum(len(seg.token_ids) for seg in segments)
-        if self.proposer is not None:
-            self.adaptive.observe_step(t3 - t2, rows, self.proposer.last_levels_time_s,
-                                       self.proposer.last_num_levels)
-        else:
-            self.adaptive.observe_step(t3 - t2, rows, 0.0, 0)
+        draft = self.proposer
+        self.adaptive.observe_step(t3 - t2, sum(len(seg.token_ids) for seg in segments),
+                                   draft.last_levels_time_s if draft else 0.0,
+                                   draft.last_num_levels if draft else 0)
         return deltas
 
     def _propose(self, scheduled: list[ScheduledRequest]) -> dict[str, TokenTree]:
@@ -272,7 +270,8 @@ class EngineCore:
             if tree.draft_rows is not None and self.proposer is not None and \
                     self._mode(req).needs_draft_model:
                 self.proposer.after_verify(req, tree, verdict)
-            _count_draft(req.spec, stats, len(tree) - 1, len(accepted), _depth(tree.parents))
+            _count_draft(req.spec, stats, len(tree) - 1, len(accepted),
+                         max(node_depths(tree.parents)))
         if item.num_new_tokens == 1 and self._configured_mode(req).kind == "adaptive":
             self.adaptive.observe_verdict(req.request_id, len(tree) - 1, len(accepted))
         req.num_computed_tokens += item.num_new_tokens + len(accepted)
@@ -311,14 +310,6 @@ def _count_draft(spec, stats: EngineStats, num_nodes: int, num_accepted: int,
             per_pos.extend([0] * (count - len(per_pos)))
             for d in range(count):
                 per_pos[d] += 1
-
-
-def _depth(parents: list[int]) -> int:
-    """Depth of the deepest node of a tree given parent indices (parents come first)."""
-    depths = [0] * len(parents)
-    for node, parent in enumerate(parents[1:], start=1):
-        depths[node] = depths[parent] + 1
-    return max(depths)
 
 
 def _eos_token_ids(path: Path, tokenizer) -> frozenset[int]:

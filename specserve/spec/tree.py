@@ -66,15 +66,22 @@ def paths_to_parents(paths: Sequence[Sequence[int]]) -> list[int]:
     return parents
 
 
+def node_depths(parents: Sequence[int]) -> list[int]:
+    """Depth of every node of a BFS-ordered parents list (the root's is 0)."""
+    depths = [0] * len(parents)
+    for i in range(1, len(parents)):
+        depths[i] = depths[parents[i]] + 1
+    return depths
+
+
 def build_tree_buffers(parents: Sequence[int]) -> TreeBuffers:
     """The tree buffers of a BFS-ordered parents list (parents[0] == -1, parents[i] < i)."""
     n = len(parents)
     if n == 0 or parents[0] != -1 or any(not 0 <= parents[i] < i for i in range(1, n)):
         raise ValueError(f"parents must start with -1 and point backwards, got {list(parents)}")
-    depths = [0] * n
+    depths = node_depths(parents)
     mask = torch.eye(n, dtype=torch.bool)
     for i in range(1, n):
-        depths[i] = depths[parents[i]] + 1
         mask[i] |= mask[parents[i]]
     has_child = [False] * n
     for i in range(1, n):
