@@ -1,8 +1,8 @@
 """Weight-only quantized linear layers: one entry point, `quant_linear`, over three paths.
 
   "auto"       CUDA tensors: the Triton kernel (quant_triton.py). CPU: the C kernel (cpu_quant.c,
-               the build `SPECSERVE_CPU_ISA` selects, see quant_cpu.py) for up to MAX_ROWS
-               bf16/fp32 rows (decode, chains, draft trees), the reference otherwise.
+               the build `SPECSERVE_CPU_ISA` selects, see quant_cpu.py) on bf16/fp32 rows, in
+               calls of at most MAX_ROWS rows; the reference otherwise.
   "cpu" / "triton" / "reference"   that path alone.
 
 The reference (quant_reference.py) dequantizes to fp32 and runs F.linear: every path computes
@@ -20,9 +20,11 @@ from .quant_reference import QuantizedWeight, quant_linear_reference
 
 QuantImpl = Literal["auto", "cpu", "triton", "reference"]
 
-# Past this many rows (prompt chunks) an fp32 GEMM over the dequantized weight does better
-# than re-reading the blocks for every chunk of rows.
-MAX_ROWS = 32
+# Rows per C kernel call. The kernel computes each row alone (row-count invariant), so every
+# row of a step, prompt chunk or decode token, gets the same bits whatever it is batched with:
+# greedy speculation then equals plain decoding even in mixed batches. Longer prompt chunks
+# read the weights once per MAX_ROWS rows; that keeps the activations in L2.
+MAX_ROWS = 64
 
 
 def quant_linear(x: torch.Tensor, qweight: QuantizedWeight, bias: torch.Tensor | None = None,
@@ -40,13 +42,19 @@ def quant_linear(x: torch.Tensor, qweight: QuantizedWeight, bias: torch.Tensor |
 
         out = quant_matmul_triton(x2, qweight, bias)
     elif impl == "cpu" or (impl == "auto" and _cpu_kernel_applies(x2)):
-        out = quant_cpu.quant_matmul(x2, qweight, bias)
+        out = _cpu_in_calls(x2, qweight, bias)
     else:
         out = quant_linear_reference(x2, qweight, bias)
     return out.reshape(*lead, n)
 
 
+def _cpu_in_calls(x2: torch.Tensor, qweight: QuantizedWeight, bias: torch.Tensor | None
+                  ) -> torch.Tensor:
+    if x2.shape[0] <= MAX_ROWS:
+        return quant_cpu.quant_matmul(x2, qweight, bias)
+    return torch.cat([quant_cpu.quant_matmul(rows, qweight, bias) for rows in x2.split(MAX_ROWS)])
+
+
 def _cpu_kernel_applies(x2: torch.Tensor) -> bool:
-    return (x2.device.type == "cpu" and 0 < x2.shape[0] <= MAX_ROWS
-            and x2.dtype in (torch.bfloat16, torch.float32)
+    return (x2.device.type == "cpu" and x2.dtype in (torch.bfloat16, torch.float32)
             and quant_cpu.library(quant_cpu.selected_isa()) is not None)

@@ -118,6 +118,8 @@ def quant_matmul(x: torch.Tensor, qweight: QuantizedWeight, bias: torch.Tensor |
     blocks = qweight.blocks.contiguous()
     bias = None if bias is None else bias.to(out_dtype).contiguous()
     out = torch.empty(x.shape[0], n, dtype=out_dtype)
+    if x.shape[0] == 0:
+        return out
     status = lib.quant_matmul(x.data_ptr(), x.dtype == torch.bfloat16, blocks.data_ptr(),
                               qweight.fmt.code, None if bias is None else bias.data_ptr(),
                               out.data_ptr(), out_dtype == torch.bfloat16, x.shape[0], n, k,

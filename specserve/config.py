@@ -24,5 +24,7 @@ class EngineConfig:
     speculation: object = None  # a spelling, see spec.modes; parsed by the engine
     dtype: str = "auto"
     device: str = "cpu"
+    quantization: str | None = None  # weight-only: None, "int8", "int4" (see model/quant.py)
+    draft_quantization: str | None = None  # the draft's; EngineConfig holds it resolved
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -28,8 +28,17 @@ def demo_pair() -> tuple[Path, Path]:
 
 
 def build_engine_config(target=None, draft=None, speculation=None, dtype="auto", tp: int = 1,
-                        **options) -> EngineConfig:
-    """Engine config from the LLM/CLI keyword options (unknown ones are an error)."""
+                        quantization=None, draft_quantization=None, **options) -> EngineConfig:
+    """Engine config from the LLM/CLI keyword options (unknown ones are an error).
+
+    quantization: None, "int8" or "int4" (weight-only, see model/quant.py); draft_quantization
+    None means the same as the target's, "none" an unquantized draft."""
+    from .model.quant import resolve_quantization
+
+    if draft_quantization is None:
+        draft_quantization = quantization
+    resolve_quantization(quantization)  # an unknown name fails here, before any loading
+    resolve_quantization(draft_quantization)
     if tp != 1:
         raise ValueError("tensor parallelism (tp > 1) is not available yet")
     if target is None:
@@ -43,14 +52,18 @@ def build_engine_config(target=None, draft=None, speculation=None, dtype="auto",
     return EngineConfig(
         target=Path(target), draft=Path(draft) if draft is not None else None,
         speculation=speculation, dtype=dtype, device=options.get("device", "cpu"),
+        quantization=quantization, draft_quantization=draft_quantization,
         cache=CacheConfig(**{k: v for k, v in options.items() if k in cache_keys}),
         scheduler=SchedulerConfig(**{k: v for k, v in options.items() if k in sched_keys}))
 
 
 class LLM:
     def __init__(self, target: str | Path | None = None, draft: str | Path | None = None,
-                 speculation=None, dtype: str = "auto", tp: int = 1, **engine_options) -> None:
+                 speculation=None, dtype: str = "auto", tp: int = 1,
+                 quantization: str | None = None, draft_quantization: str | None = None,
+                 **engine_options) -> None:
         self.engine = EngineCore(build_engine_config(target, draft, speculation, dtype, tp,
+                                                     quantization, draft_quantization,
                                                      **engine_options))
         self.tokenizer = self.engine.tokenizer
 

@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 
 from .architectures import ArchSpec, DecoderLM
+from .quant import quantize_model
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -106,8 +107,9 @@ def _route(name: str, spec: ArchSpec) -> tuple[str, int] | None:
 
 
 def load_model(path: str | Path, dtype: str | torch.dtype = "auto",
-               device: str | torch.device = "cpu") -> DecoderLM:
-    """Build the decoder for the folder's architecture and load its weights (this rank's slice)."""
+               device: str | torch.device = "cpu", quantization: str | None = None) -> DecoderLM:
+    """Build the decoder for the folder's architecture and load its weights (this rank's slice),
+    quantizing its linear layers when asked (see quant.py: "int8", "int4", or None)."""
     path = Path(path)
     config = load_hf_config(path)
     spec = ArchSpec.from_hf_config(config)
@@ -149,7 +151,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto",
                 raise CheckpointError(f"{file}: tensor {name!r}: {exc}") from exc
             loaded.add((target, shard))
     _check_complete(model, loaded, path)
-    return model.to(device).eval()
+    return quantize_model(model, quantization).to(device).eval()
 
 
 def _check_complete(model: DecoderLM, loaded: set[tuple[str, int]], path: Path) -> None:

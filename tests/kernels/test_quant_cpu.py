@@ -102,7 +102,7 @@ def test_quant_linear_paths_agree():
     if quant_cpu.library(quant_cpu.selected_isa()) is not None:
         torch.testing.assert_close(quant.quant_linear(x, qw, impl="cpu"), want)
     torch.testing.assert_close(quant.quant_linear(x, qw), want)
-    many = _randn(quant.MAX_ROWS + 1, 96, seed=10)  # a prompt chunk: the reference path
+    many = _randn(2 * quant.MAX_ROWS + 1, 96, seed=10)  # a prompt chunk: split into calls
     torch.testing.assert_close(quant.quant_linear(many, qw), quant_linear_reference(many, qw))
 
 
