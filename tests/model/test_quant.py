@@ -105,3 +105,47 @@ def test_cli_flag_errors_cleanly(tiny_target, capsys):
     assert main(["generate", "--target", str(tiny_target), "--prompt", "hi",
                  "--quantization", "int5"]) == 2
     assert "'int5'" in capsys.readouterr().err
+
+
+def _gguf_like_tensors(path, fmt: str, mixed_layer: int | None = None) -> dict:
+    """The checkpoint's linear weights as GGUF tensors of type fmt (one F16 part in layer
+    mixed_layer's q/k/v)."""
+    from types import SimpleNamespace
+
+    from gguf import GGMLQuantizationType
+    from safetensors.torch import load_file
+    from specserve.kernels.quant_reference import quantize
+
+    tensors = {}
+    for name, w in load_file(str(path / "model.safetensors")).items():
+        if not name.endswith("proj.weight"):
+            continue
+        mixed = f"model.layers.{mixed_layer}.self_attn.v_proj.weight"
+        qtype = "F16" if name == mixed else fmt
+        raw = (quantize(w, fmt).blocks.numpy() if qtype != "F16"
+               else w.to(torch.float16).view(torch.uint8).numpy())
+        tensors[name] = SimpleNamespace(ggml_type=GGMLQuantizationType[qtype],
+                                        shape=tuple(w.shape), raw=raw)
+    return tensors
+
+
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0", "Q4_1"])
+def test_gguf_blocks_run_as_stored(tiny_target, fmt):
+    """A GGUF file's quantized blocks give exactly what quantizing the same weights at load does."""
+    from specserve.model.quant import use_file_blocks
+
+    ids = list(range(3, 30))
+    want = _logits(load_model(tiny_target, dtype="float32", quantization=fmt.lower()), ids)
+    model = load_model(tiny_target, dtype="float32")
+    replaced = use_file_blocks(model, _gguf_like_tensors(tiny_target, fmt))
+    assert len(replaced) == 2 * 4
+    assert torch.equal(_logits(model, ids), want)
+
+
+def test_gguf_mixed_types_keep_the_loaded_weight(tiny_target):
+    from specserve.model.quant import use_file_blocks
+
+    model = load_model(tiny_target, dtype="float32")
+    replaced = use_file_blocks(model, _gguf_like_tensors(tiny_target, "Q8_0", mixed_layer=1))
+    assert "layers.1.self_attn.qkv_proj" not in replaced and len(replaced) == 2 * 4 - 1
+    assert not isinstance(model.get_submodule("layers.1.self_attn.qkv_proj"), QuantizedLinear)
