@@ -7,14 +7,23 @@
 Speed, batch 1, greedy, on the widened pair (bench/RESULTS.md: the demo target grown to a
 0.5B-like shape, bandwidth-bound): specserve with the target (and draft) in bf16, int8 and int4,
 each with speculation off and in the default mode, and llama.cpp's `llama-completion` on GGUFs of
-the same target (q8_0, and q4_0 when a q4_0 file is given: the peer build has no llama-quantize).
+the same target: q8_0 from llama.cpp's converter, and q4_0 made from it here (the peer build has
+no llama-quantize): every Q8_0 projection (attn_*, ffn_*) re-quantized to Q4_0 by the gguf
+package, the token embedding (tied LM head) left Q8_0.
 Decode tok/s leaves the prompt out: specserve's rows time tokens after the first, llama.cpp's
 come from its own printed eval timings. Rows run interleaved, each prompt at its best round.
 Within each quantization, the default mode's tokens must equal speculation off's (checked
 before timing); across quantizations they differ, which the quality section measures.
 
+Kernel scaling (`--skip-kernels` to leave out): one decoder layer's projections of the widened
+shape (qkv 1536x1024, o 1024x1024, gate/up 8192x1024, down 1024x4096), 24 copies so the weights
+come from memory, timed for M = 1..16 activation rows: Q8_0 and Q4_0 on the C kernel of the
+selected ISA, bf16 on `kernels.linear`; ms per pass over all 24 layers, and the cost of M rows
+relative to one row.
+
 Quality, on the demo target (the widened one computes the same function): mean next-token NLL
-(nats) over held-out text windows (the stdlib corpus's validation modules, never trained on),
+(nats) over the model card's held-out windows (32 chat + 32 code windows of 256 tokens from the
+stdlib corpus's validation modules, never trained on),
 and greedy agreement with bf16 over 32 tokens on 16 held-out chat prompts: the share of
 identical tokens, position by position, and how many prompts match in full.
 """
@@ -131,20 +140,59 @@ def format_speed(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+# ---- kernel scaling --------------------------------------------------------------------------
+LAYER_SHAPES = [(1536, 1024), (1024, 1024), (8192, 1024), (1024, 4096)]  # (N, K), widened
+
+
+def measure_kernels(rows: tuple[int, ...] = (1, 2, 4, 8, 16), layers: int = 24,
+                    repeats: int = 5) -> dict[str, dict[int, float]]:
+    """ms per pass over `layers` copies of LAYER_SHAPES, per weight kind and row count
+    (kinds interleaved, best of `repeats`)."""
+    from specserve.kernels import linear
+    from specserve.kernels.quant import quant_linear
+    from specserve.kernels.quant_reference import quantize
+
+    gen = torch.Generator().manual_seed(0)
+    dense = [torch.randn(n, k, generator=gen).to(torch.bfloat16)
+             for _ in range(layers) for n, k in LAYER_SHAPES]
+    weights = {"bf16": (linear, dense)}
+    for fmt in ("Q8_0", "Q4_0"):
+        weights[fmt] = (quant_linear, [quantize(w, fmt) for w in dense])
+    out: dict[str, dict[int, float]] = {kind: {} for kind in weights}
+    for m in rows:
+        xs = {k: torch.randn(m, k, generator=gen).to(torch.bfloat16) for _, k in LAYER_SHAPES}
+        for _ in range(repeats):
+            for kind, (fn, ws) in weights.items():
+                start = time.perf_counter()
+                for w, (_, k) in zip(ws, LAYER_SHAPES * layers):
+                    fn(xs[k], w)
+                ms = 1e3 * (time.perf_counter() - start)
+                out[kind][m] = min(out[kind].get(m, float("inf")), ms)
+    return out
+
+
+def format_kernels(result: dict[str, dict[int, float]]) -> str:
+    rows = list(next(iter(result.values())))
+    lines = ["| weights | " + " | ".join(f"M={m} ms" for m in rows) + " | "
+             + " | ".join(f"M={m} / M=1" for m in rows[1:]) + " |",
+             "|---" * (1 + 2 * len(rows) - 1) + "|"]
+    for kind, by_m in result.items():
+        lines.append(f"| {kind} | " + " | ".join(f"{by_m[m]:.1f}" for m in rows) + " | "
+                     + " | ".join(f"{by_m[m] / by_m[1]:.2f}" for m in rows[1:]) + " |")
+    return "\n".join(lines)
+
+
 # ---- quality --------------------------------------------------------------------------------
 def held_out_windows(tokenizer, num_windows: int, length: int) -> list[list[int]]:
-    """Consecutive windows of `length + 1` tokens of the held-out stdlib corpus."""
-    from specserve.draft_models.data import build_corpus
+    """The model card's validation windows: `num_windows` of `length + 1` tokens from each of
+    the held-out chat and code streams (draft_models/recipe.py)."""
+    from specserve.draft_models.data import build_corpus, concat_stream, fixed_windows
 
     corpus = build_corpus()
-    ids: list[int] = []
-    for doc in corpus.val_code + corpus.val_chat:
-        ids += tokenizer.encode(doc, add_special_tokens=False)
-        if len(ids) >= num_windows * (length + 1):
-            break
-    windows = [ids[i * (length + 1):(i + 1) * (length + 1)] for i in range(num_windows)]
-    if len(windows[-1]) != length + 1:
-        raise ValueError("the held-out corpus is shorter than the windows asked for")
+    windows = []
+    for docs in (corpus.val_chat, corpus.val_code):
+        stream = concat_stream([tokenizer.encode(d, add_special_tokens=False) for d in docs])
+        windows += fixed_windows(stream, length, num_windows).tolist()
     return windows
 
 
@@ -204,11 +252,12 @@ def main(argv: list[str] | None = None) -> int:
     add_common_args(parser)
     parser.add_argument("--skip-speed", action="store_true")
     parser.add_argument("--skip-quality", action="store_true")
+    parser.add_argument("--skip-kernels", action="store_true")
     parser.add_argument("--gguf-q8-0", type=Path, help="llama.cpp q8_0 GGUF of the widened "
                         "target (default: converted with the peer tool when it is built)")
     parser.add_argument("--gguf-q4-0", type=Path, help="llama.cpp q4_0 GGUF of the widened target")
     parser.add_argument("--no-llamacpp", action="store_true")
-    parser.add_argument("--nll-windows", type=int, default=32)
+    parser.add_argument("--nll-windows", type=int, default=32, help="per stream (chat, code)")
     parser.add_argument("--nll-length", type=int, default=256)
     parser.add_argument("--agreement-prompts", type=int, default=16)
     args = parser.parse_args(argv)
@@ -217,6 +266,14 @@ def main(argv: list[str] | None = None) -> int:
     report: dict = {"environment": environment(args.threads), "cpu_flags": flags}
     print(f"torch {report['environment']['torch']}, {args.threads} threads, CPU flags "
           f"{' '.join(flags)}, load average {report['environment']['load_average'][0]:.2f}")
+    if not args.skip_kernels:
+        from specserve.kernels import cpu_build
+
+        log("kernel scaling")
+        report["kernels"] = measure_kernels()
+        print(f"\nOne pass over 24 widened layers' projections, ISA path "
+              f"{cpu_build.selected_isa()}, best of 5:\n")
+        print(format_kernels(report["kernels"]))
     if not args.skip_speed:
         pair = load_pair("widened")
         ggufs = {} if args.no_llamacpp else _ggufs(args, pair.target)
@@ -237,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _ggufs(args, target: Path) -> dict[str, Path]:
-    """The llama.cpp GGUFs to time: given ones, else a q8_0 converted once by the peer tool."""
+    """The llama.cpp GGUFs to time: given ones, else made once (q8_0 by the peer tool)."""
     ggufs = {"q8_0": args.gguf_q8_0, "q4_0": args.gguf_q4_0}
     if ggufs["q8_0"] is None and PEER.is_file():
         path = target.parent / f"{target.name}-q8_0.gguf"
@@ -246,7 +303,45 @@ def _ggufs(args, target: Path) -> dict[str, Path]:
             subprocess.run([str(PEER), "convert", str(target), str(path), "q8_0"], check=True,
                            capture_output=True)
         ggufs["q8_0"] = path
+    if ggufs["q4_0"] is None and ggufs["q8_0"] is not None:
+        path = target.parent / f"{target.name}-q4_0.gguf"
+        if not path.is_file():
+            log(f"  re-quantizing {ggufs['q8_0']} to {path}")
+            requantize_projections(ggufs["q8_0"], path)
+        ggufs["q4_0"] = path
     return {k: v for k, v in ggufs.items() if v is not None}
+
+
+def requantize_projections(source: Path, dest: Path) -> None:
+    """Copy a Q8_0 GGUF with its Q8_0 attn_* / ffn_* weights re-quantized to Q4_0."""
+    import gguf
+    from gguf.quants import dequantize, quantize
+
+    reader = gguf.GGUFReader(source)
+    arch = reader.fields[gguf.Keys.General.ARCHITECTURE].contents()
+    writer = gguf.GGUFWriter(dest, arch, endianess=reader.endianess)
+    for field in reader.fields.values():
+        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+            continue  # written by GGUFWriter itself
+        value = field.contents()
+        if field.name == gguf.Keys.General.FILE_TYPE:
+            value = gguf.LlamaFileType.MOSTLY_Q4_0
+        sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, value, field.types[0], sub_type=sub_type)
+    q8, q4 = gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0
+    tensors = []
+    for t in reader.tensors:
+        data, qtype = t.data, t.tensor_type
+        if qtype == q8 and (".attn_" in t.name or ".ffn_" in t.name):
+            data, qtype = quantize(dequantize(t.data, q8), q4), q4
+        tensors.append((t.name, data, qtype))
+        writer.add_tensor_info(t.name, data.shape, data.dtype, data.nbytes, qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for _, data, _ in tensors:
+        writer.write_tensor_data(data)
+    writer.close()
 
 
 if __name__ == "__main__":

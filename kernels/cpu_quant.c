@@ -24,146 +24,110 @@
  * the chunking changes that order, so a row's output is bit-identical alone or among k rows
  * (greedy speculation then equals plain decoding exactly).
  *
- * One source, three builds: compiled with AVX-512F/BW/VL it uses 16-lane vectors, with AVX2 +
- * FMA + F16C 8-lane vectors, and with neither, plain C (the portable build). Built and loaded by
- * kernels/quant_cpu.py.
+ * Written once over cpu_simd.h's fp32 vectors; only the unpacking of a block into vectors differs
+ * per ISA (16 lanes on AVX-512, 8 on AVX2 and in portable C). Built by cpu_build.py; called
+ * through kernels/quant_cpu.py.
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "cpu_bf16.h"
-
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
+#include "cpu_simd.h"
 
 enum { FMT_Q8_0 = 0, FMT_Q4_0 = 1, FMT_Q4_1 = 2 };
 #define QK 32
+#define GROUPS (QK / VF) /* vectors per block */
+#define MR_MAX 6
 
 static inline int block_bytes(int fmt) { return fmt == FMT_Q8_0 ? 34 : fmt == FMT_Q4_0 ? 18 : 20; }
 
+/* fp16 bits -> fp32, exact for every finite value (scales are finite): the bits shifted into
+ * fp32 position read as 2^-112 times the value (subnormals included), and one multiply
+ * rescales. Needs no F16C, which the builds do not assume. */
 static inline float f16_to_f32(uint16_t h) {
-#if defined(__F16C__)
-    return _cvtsh_ss(h);
-#else
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-    uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, bits;
-    if (exp == 0x1fu) {
-        bits = sign | 0x7f800000u | (man << 13);
-    } else if (exp != 0) {
-        bits = sign | ((exp + 112u) << 23) | (man << 13);
-    } else if (man == 0) {
-        bits = sign;
-    } else { /* subnormal: normalise */
-        exp = 113;
-        while (!(man & 0x400u)) { man <<= 1; exp--; }
-        bits = sign | (exp << 23) | ((man & 0x3ffu) << 13);
-    }
-    union { uint32_t u; float f; } c = {bits};
-    return c.f;
-#endif
+    const uint32_t magnitude = (uint32_t)(h & 0x7fffu) << 13;
+    float f;
+    memcpy(&f, &magnitude, sizeof f);
+    f *= 0x1p112f;
+    return (h & 0x8000u) ? -f : f;
 }
-
-static inline uint16_t read_u16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
 
 /* Scale d and offset m of a block: w = q * d + m with q unsigned for the 4-bit formats
  * (Q4_0's offset is -8 d, exact), w = q * d for Q8_0 (m unused). */
 static inline void block_scale(const uint8_t *b, int fmt, float *d, float *m) {
-    *d = f16_to_f32(read_u16(b));
-    *m = fmt == FMT_Q4_1 ? f16_to_f32(read_u16(b + 2)) : -8.0f * *d;
+    *d = f16_to_f32((uint16_t)(b[0] | (b[1] << 8)));
+    *m = fmt == FMT_Q4_1 ? f16_to_f32((uint16_t)(b[2] | (b[3] << 8))) : -8.0f * *d;
 }
 
-#define MR_MAX 6
-
-#if defined(__AVX512F__) || defined(__AVX2__)
-
-#if defined(__AVX512F__)
-#define VLEN 16
-typedef __m512 vec;
-#define vzero() _mm512_setzero_ps()
-#define vset1(v) _mm512_set1_ps(v)
-#define vload(p) _mm512_loadu_ps(p)
-#define vfma(a, b, c) _mm512_fmadd_ps(a, b, c)
-#define vmul(a, b) _mm512_mul_ps(a, b)
-static inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
-
-/* Weights [16 g, 16 g + 16) of block b as fp32 (g in 0, 1). */
-static inline vec dequant(const uint8_t *b, int fmt, int g, vec d, vec m) {
+/* Weights [VF g, VF g + VF) of block b as fp32 (g < GROUPS). 4-bit formats: weights 0..15 are
+ * the low nibbles of the 16 value bytes, weights 16..31 their high nibbles. Every result is
+ * exact (q * d + m rounds once, in the + m, as the reference does). */
+SIMD_INLINE vf dequant(const uint8_t *b, const int fmt, const int g, vf d, vf m) {
+    const uint8_t *values = b + (fmt == FMT_Q8_0 ? 2 : fmt == FMT_Q4_0 ? 2 : 4);
+#if defined(SPECSERVE_ISA_AVX512)
     if (fmt == FMT_Q8_0) {
-        const __m128i q = _mm_loadu_si128((const __m128i *)(b + 2 + 16 * g));
-        return vmul(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), d);
+        const __m128i q = _mm_loadu_si128((const __m128i *)(values + 16 * g));
+        return vf_mul(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), d);
     }
-    const __m128i packed = _mm_loadu_si128((const __m128i *)(b + (fmt == FMT_Q4_1 ? 4 : 2)));
+    const __m128i packed = _mm_loadu_si128((const __m128i *)values);
     const __m128i q = _mm_and_si128(g ? _mm_srli_epi16(packed, 4) : packed, _mm_set1_epi8(0x0f));
-    return vfma(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q)), d, m);
-}
-#else
-#define VLEN 8
-typedef __m256 vec;
-#define vzero() _mm256_setzero_ps()
-#define vset1(v) _mm256_set1_ps(v)
-#define vload(p) _mm256_loadu_ps(p)
-#define vfma(a, b, c) _mm256_fmadd_ps(a, b, c)
-#define vmul(a, b) _mm256_mul_ps(a, b)
-static inline float vsum(vec v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-/* Weights [8 g, 8 g + 8) of block b as fp32 (g in 0..3). */
-static inline vec dequant(const uint8_t *b, int fmt, int g, vec d, vec m) {
+    return vf_fmadd(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q)), d, m);
+#elif defined(SPECSERVE_ISA_AVX2)
     if (fmt == FMT_Q8_0) {
-        const __m128i q = _mm_loadl_epi64((const __m128i *)(b + 2 + 8 * g));
-        return vmul(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d);
+        const __m128i q = _mm_loadl_epi64((const __m128i *)(values + 8 * g));
+        return vf_mul(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d);
     }
-    /* Weights 0..15 are the low nibbles of bytes 0..15, weights 16..31 the high nibbles. */
-    __m128i q = _mm_loadl_epi64((const __m128i *)(b + (fmt == FMT_Q4_1 ? 4 : 2) + 8 * (g & 1)));
+    __m128i q = _mm_loadl_epi64((const __m128i *)(values + 8 * (g & 1)));
     if (g >= 2) q = _mm_srli_epi16(q, 4);
     q = _mm_and_si128(q, _mm_set1_epi8(0x0f));
-    return vfma(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q)), d, m);
-}
+    return vf_fmadd(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q)), d, m);
+#else
+    vf q;
+    for (int j = 0; j < VF; j++) {
+        const int at = VF * g + j;
+        q[j] = fmt == FMT_Q8_0 ? (float)(int8_t)values[at]
+               : at < 16 ? (float)(values[at] & 0x0f) : (float)(values[at - 16] >> 4);
+    }
+    return fmt == FMT_Q8_0 ? vf_mul(q, d) : vf_fmadd(q, d, m);
 #endif
-
-#define GROUPS (QK / VLEN)
+}
 
 /* MR activation rows x NR weight rows over all K (x padded with zeros to whole blocks):
  * acc[i][r] sums row i's products with weight row r, one vector per output. */
-static inline __attribute__((always_inline)) void micro_kernel(
-    const int MR, const int NR, const int fmt, const float *x, int64_t kp, const uint8_t *w,
-    int64_t row_bytes, int64_t nb, float out[MR_MAX][4]) {
+SIMD_INLINE void micro_kernel(const int MR, const int NR, const int fmt, const float *x,
+                              int64_t kp, const uint8_t *w, int64_t row_bytes, int64_t nb,
+                              float out[MR_MAX][4]) {
     const int bb = block_bytes(fmt);
-    vec acc[MR_MAX][4];
+    vf acc[MR_MAX][4];
 #pragma GCC unroll 8
     for (int i = 0; i < MR; i++)
 #pragma GCC unroll 4
-        for (int r = 0; r < NR; r++) acc[i][r] = vzero();
+        for (int r = 0; r < NR; r++) acc[i][r] = vf_zero();
     for (int64_t blk = 0; blk < nb; blk++) {
-        vec d[4], m[4];
+        vf d[4], m[4];
 #pragma GCC unroll 4
         for (int r = 0; r < NR; r++) {
             float ds, ms;
             block_scale(w + r * row_bytes + blk * bb, fmt, &ds, &ms);
-            d[r] = vset1(ds);
-            m[r] = vset1(ms);
+            d[r] = vf_set1(ds);
+            m[r] = vf_set1(ms);
         }
 #pragma GCC unroll 4
         for (int g = 0; g < GROUPS; g++) {
-            const int64_t k = blk * QK + g * VLEN;
+            const int64_t k = blk * QK + g * VF;
 #pragma GCC unroll 4
             for (int r = 0; r < NR; r++) {
-                const vec wv = dequant(w + r * row_bytes + blk * bb, fmt, g, d[r], m[r]);
+                const vf wv = dequant(w + r * row_bytes + blk * bb, fmt, g, d[r], m[r]);
 #pragma GCC unroll 8
-                for (int i = 0; i < MR; i++) acc[i][r] = vfma(vload(x + i * kp + k), wv, acc[i][r]);
+                for (int i = 0; i < MR; i++)
+                    acc[i][r] = vf_fmadd(vf_load(x + i * kp + k), wv, acc[i][r]);
             }
         }
     }
 #pragma GCC unroll 8
     for (int i = 0; i < MR; i++)
 #pragma GCC unroll 4
-        for (int r = 0; r < NR; r++) out[i][r] = vsum(acc[i][r]);
+        for (int r = 0; r < NR; r++) out[i][r] = vf_reduce_add(acc[i][r]);
 }
 
 #define DISPATCH_MR(NR, FMT)                                                          \
@@ -192,38 +156,6 @@ static void chunk(const float *xs, int mr, const uint8_t *ws, int nr, int fmt, i
         default: DISPATCH(1) break;
     }
 }
-
-#else /* portable C: one output at a time, the same fixed k order for every row count */
-
-static void chunk(const float *xs, int mr, const uint8_t *ws, int nr, int fmt, int64_t kp,
-                  int64_t row_bytes, int64_t nb, float out[MR_MAX][4]) {
-    const int bb = block_bytes(fmt);
-    for (int r = 0; r < nr; r++) {
-        for (int i = 0; i < mr; i++) {
-            const float *x = xs + i * kp;
-            float lanes[8] = {0};
-            for (int64_t blk = 0; blk < nb; blk++) {
-                const uint8_t *b = ws + r * row_bytes + blk * bb;
-                float d, m, wv[QK];
-                block_scale(b, fmt, &d, &m);
-                if (fmt == FMT_Q8_0) {
-                    for (int j = 0; j < QK; j++) wv[j] = (float)(int8_t)b[2 + j] * d;
-                } else {
-                    const uint8_t *q = b + (fmt == FMT_Q4_1 ? 4 : 2);
-                    for (int j = 0; j < QK / 2; j++) {
-                        wv[j] = (float)(q[j] & 0x0f) * d + m;
-                        wv[j + QK / 2] = (float)(q[j] >> 4) * d + m;
-                    }
-                }
-                for (int j = 0; j < QK; j++) lanes[j % 8] += x[blk * QK + j] * wv[j];
-            }
-            out[i][r] = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) +
-                        ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
-        }
-    }
-}
-
-#endif
 
 /* x [M, K] (bf16 if x_bf16, else fp32); w [N, row_bytes] GGUF blocks of format fmt;
  * bias [N] or NULL and y [M, N] in bf16 if y_bf16, else fp32. Returns 0, or -1 when the

@@ -1,7 +1,7 @@
 """Weight-only quantized linear layers: one entry point, `quant_linear`, over three paths.
 
   "auto"       CUDA tensors: the Triton kernel (quant_triton.py). CPU: the C kernel (cpu_quant.c,
-               the build `SPECSERVE_CPU_ISA` selects, see quant_cpu.py) on bf16/fp32 rows, in
+               on the ISA path `SPECSERVE_CPU_ISA` selects, see cpu_build.py) on bf16/fp32 rows, in
                calls of at most MAX_ROWS rows; the reference otherwise.
   "cpu" / "triton" / "reference"   that path alone.
 
@@ -57,4 +57,4 @@ def _cpu_in_calls(x2: torch.Tensor, qweight: QuantizedWeight, bias: torch.Tensor
 
 def _cpu_kernel_applies(x2: torch.Tensor) -> bool:
     return (x2.device.type == "cpu" and x2.dtype in (torch.bfloat16, torch.float32)
-            and quant_cpu.library(quant_cpu.selected_isa()) is not None)
+            and quant_cpu.library() is not None)
