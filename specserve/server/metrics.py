@@ -69,7 +69,7 @@ class _EngineCollector:
                       stats.num_finished)
         phases = CounterMetricFamily("specserve_engine_step_seconds",
                                      "Engine time by step phase.", labels=["model_name", "phase"])
-        for phase in ("schedule", "draft", "verify", "accept"):
+        for phase in ("schedule", "draft", "target_forward", "verify", "commit"):
             phases.add_metric([self.model_name, phase], getattr(stats, f"{phase}_time_s"))
         yield phases
         yield gauge("specserve_acceptance_length", "Tokens committed per target forward for "
@@ -130,7 +130,7 @@ def request_metrics(m: dict | None) -> dict:
         "accepted_per_pos": m["accepted_per_pos"],
         "acceptance_rate_per_pos": [round(r, 4) for r in m.get("acceptance_rate_per_pos", [])],
         "draft_ms": round(m.get("draft_time_s", 0.0) * 1e3, 3),
-        "verify_ms": round(m.get("verify_time_s", 0.0) * 1e3, 3),
+        "verify_ms": round(m.get("target_forward_time_s", 0.0) * 1e3, 3),
         "num_prefix_cached_tokens": m.get("num_prefix_cached_tokens", 0),
         "num_preemptions": m.get("num_preemptions", 0),
     }
