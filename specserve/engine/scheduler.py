@@ -18,15 +18,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ..config import SchedulerConfig
 from .block_manager import BlockManager
 from .request import Request, RequestStatus
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 2048
 
 
 @dataclass

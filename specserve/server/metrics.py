@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from ..engine.async_engine import AsyncEngine
+from ..engine import AsyncEngine
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -32,8 +32,8 @@ class _EngineCollector:
         return []  # names are only known at collect time; no duplicate checks needed
 
     def collect(self) -> Iterator[Metric]:
-        core, model = self.engine.core, [self.model_name]
-        stats, blocks = core.stats, core.block_manager
+        model = [self.model_name]
+        stats, blocks = self.engine.stats, self.engine.kv_pool()
 
         def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
             family = CounterMetricFamily(name, doc, labels=["model_name"])
