@@ -1,11 +1,20 @@
-"""Engine configuration: frozen dataclasses resolved once, derived values as properties."""
+"""Engine configuration: frozen dataclasses resolved once, derived values as properties.
+
+The model pair, the KV cache and the scheduler are configured here and nowhere else; the
+server's own limits (`server.limits.ServerLimits`) follow from the engine's at start-up.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from .engine.scheduler import SchedulerConfig
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
 
 
 @dataclass(frozen=True)
@@ -25,6 +34,33 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "cpu"
     quantization: str | None = None  # weight-only: None, "int8", "int4" (see model/quant.py)
-    draft_quantization: str | None = None  # the draft's; EngineConfig holds it resolved
+    draft_quantization: str | None = None  # the draft's ("none": unquantized)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    @classmethod
+    def from_options(cls, target, draft=None, speculation=None, dtype: str = "auto",
+                     tp: int = 1, quantization: str | None = None,
+                     draft_quantization: str | None = None, **options) -> EngineConfig:
+        """The config for `LLM(...)` / CLI keyword options; unknown ones are an error.
+
+        draft_quantization None means the target's quantization."""
+        from .model.quant import resolve_quantization
+
+        if draft_quantization is None:
+            draft_quantization = quantization
+        resolve_quantization(quantization)  # an unknown name fails here, before any loading
+        resolve_quantization(draft_quantization)
+        if tp != 1:
+            raise ValueError("tensor parallelism (tp > 1) is not available yet")
+        cache_keys = {f.name for f in fields(CacheConfig)}
+        sched_keys = {f.name for f in fields(SchedulerConfig)}
+        unknown = set(options) - cache_keys - sched_keys - {"device"}
+        if unknown:
+            raise TypeError(f"unknown engine options: {', '.join(sorted(unknown))}")
+        return cls(
+            target=Path(target), draft=Path(draft) if draft is not None else None,
+            speculation=speculation, dtype=dtype, device=options.get("device", "cpu"),
+            quantization=quantization, draft_quantization=draft_quantization,
+            cache=CacheConfig(**{k: v for k, v in options.items() if k in cache_keys}),
+            scheduler=SchedulerConfig(**{k: v for k, v in options.items() if k in sched_keys}))

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import fields
 from pathlib import Path
 
-from .config import CacheConfig, EngineConfig
+from .config import EngineConfig
 from .engine.core import EngineCore
-from .engine.scheduler import SchedulerConfig
 from .outputs import RequestOutput
 from .sampling import SamplingParams
 
@@ -29,32 +27,12 @@ def demo_pair() -> tuple[Path, Path]:
 
 def build_engine_config(target=None, draft=None, speculation=None, dtype="auto", tp: int = 1,
                         quantization=None, draft_quantization=None, **options) -> EngineConfig:
-    """Engine config from the LLM/CLI keyword options (unknown ones are an error).
-
-    quantization: None, "int8" or "int4" (weight-only, see model/quant.py); draft_quantization
-    None means the same as the target's, "none" an unquantized draft."""
-    from .model.quant import resolve_quantization
-
-    if draft_quantization is None:
-        draft_quantization = quantization
-    resolve_quantization(quantization)  # an unknown name fails here, before any loading
-    resolve_quantization(draft_quantization)
-    if tp != 1:
-        raise ValueError("tensor parallelism (tp > 1) is not available yet")
+    """Engine config from the LLM/CLI keyword options; `target=None` is the demo pair."""
     if target is None:
         target, demo_draft = demo_pair()
         draft = draft if draft is not None else demo_draft
-    cache_keys = {f.name for f in fields(CacheConfig)}
-    sched_keys = {f.name for f in fields(SchedulerConfig)}
-    unknown = set(options) - cache_keys - sched_keys - {"device"}
-    if unknown:
-        raise TypeError(f"unknown engine options: {', '.join(sorted(unknown))}")
-    return EngineConfig(
-        target=Path(target), draft=Path(draft) if draft is not None else None,
-        speculation=speculation, dtype=dtype, device=options.get("device", "cpu"),
-        quantization=quantization, draft_quantization=draft_quantization,
-        cache=CacheConfig(**{k: v for k, v in options.items() if k in cache_keys}),
-        scheduler=SchedulerConfig(**{k: v for k, v in options.items() if k in sched_keys}))
+    return EngineConfig.from_options(target, draft, speculation, dtype, tp, quantization,
+                                     draft_quantization, **options)
 
 
 class LLM:

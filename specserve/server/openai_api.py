@@ -22,7 +22,7 @@ from msgspec import Meta
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from ..engine.async_engine import EngineStoppedError, RequestStream
+from ..engine import EngineStoppedError, RequestStream
 from ..outputs import RequestDelta
 from .auth import error_body
 from .limits import PreparedRequest, RequestError, prepare_request, validation_param
