@@ -160,13 +160,18 @@ class Session:
             while True:
                 message = await self.ws.receive()
                 if message["type"] == "websocket.disconnect":
+                    self._log_gone(message.get("code"))
                     return
                 await self.on_frame(message)
-        except _GONE:
-            log.info("session %s: client closed the socket", self.id)
+        except _GONE as exc:
+            self._log_gone(getattr(exc, "code", None))
         finally:
             self.close_all()
             self.state.metrics.sessions.dec()
+
+    def _log_gone(self, code: int | None) -> None:
+        log.info("session %s: client went away (close code %s, %d request(s) in flight "
+                 "aborted)", self.id, code, len(self.inflight))
 
     def close_all(self) -> None:
         """Abort every request in flight (the engine frees their blocks) and stop the pumps."""
@@ -320,8 +325,8 @@ class Session:
                     if self.inflight.get(rid) is flight:
                         del self.inflight[rid]
                     await send(self._done(rid, flight, delta, n_prompt, n_out))
-        except _GONE:  # the receive loop sees the close too and aborts what is left
-            log.info("session %s: client gone during request %s", self.id, rid)
+        except _GONE:  # the receive loop sees the close too, logs it and aborts the rest
+            pass
         except Exception:  # a bug here must not leave the request running unseen
             log.exception("pump for %s/%s failed", self.id, rid)
             flight.stream.abort()
