@@ -80,6 +80,16 @@ class RequestLimits:
     # templated or tokenized; 0 means derive it from max_prompt_tokens (see `prompt_byte_cap`).
     max_prompt_bytes: int = 0
 
+    @classmethod
+    def for_context(cls, context: int, **overrides) -> RequestLimits:
+        """Limits for a context of `context` tokens (the model's, or its KV pool's if less)."""
+        values = dict(max_model_len=context, max_prompt_tokens=context - 1,  # noqa: C408
+                      max_output_tokens=context - 1)
+        values.update(overrides)
+        values.setdefault("default_max_output_tokens",
+                          min(cls.default_max_output_tokens, values["max_output_tokens"]))
+        return cls(**values)
+
     @property
     def prompt_byte_cap(self) -> int:
         # Real tokenizers average 3-5 bytes a token; 32 leaves room for long whitespace runs
@@ -199,7 +209,7 @@ def check_prompt_ids(ids: Sequence[int], vocab_size: int, param: str = "prompt")
         raise RequestError("invalid_field", "the prompt is empty", param)
     if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size
            for t in ids):
-        raise RequestError("invalid_field", f"token ids must be integers in [0, {vocab_size})",
+        raise RequestError("invalid_field", f"token ids must be ints in [0, {vocab_size})",
                            param)
     return ids
 
@@ -220,7 +230,7 @@ def check_lengths(n_prompt: int, max_output_tokens: int | None, limits: RequestL
                            param("max_output_tokens"))
     if n_prompt + max_output_tokens > limits.max_model_len:
         raise RequestError("prompt_too_long", f"prompt ({n_prompt} tokens) + max_output_tokens "
-                           f"({max_output_tokens}) exceeds the context of "
+                           f"({max_output_tokens}) exceeds the model's context of "
                            f"{limits.max_model_len} tokens", param("max_output_tokens"))
     return max_output_tokens
 
@@ -304,7 +314,8 @@ def prepare_request(facts: ModelFacts, limits: RequestLimits, *,
         # The template already spells out BOS and role markers; don't add them twice.
         prompt_ids = tokenizer.encode(text, add_special_tokens=False)
     elif isinstance(prompt, str):
-        prompt_ids = tokenizer.encode(check_prompt_text(prompt, cap, param("prompt")))
+        text = check_prompt_text(prompt, cap, param("prompt"))
+        prompt_ids = tokenizer.encode(text)  # the same call LLM.generate makes
     else:
         prompt_ids = check_prompt_ids(prompt, facts.vocab_size, param("prompt"))
     if not prompt_ids:

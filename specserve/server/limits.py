@@ -56,13 +56,7 @@ class ServerLimits(RequestLimits):
         """Limits that follow from the engine: its context and its KV pool, whichever is less."""
         core = engine.core
         pool_tokens = core.block_manager.num_blocks * core.block_manager.block_size
-        context = min(core.max_model_len, pool_tokens)
-        values = dict(max_model_len=context, max_prompt_tokens=context - 1,  # noqa: C408
-                      max_output_tokens=context - 1)
-        values.update(overrides)
-        values.setdefault("default_max_output_tokens",
-                          min(cls.default_max_output_tokens, values["max_output_tokens"]))
-        return cls(**values)
+        return cls.for_context(min(core.max_model_len, pool_tokens), **overrides)
 
     def as_dict(self) -> dict:
         return asdict(self)
