@@ -34,6 +34,17 @@ import orjson
 _OK = ("completed", "refused", "cancelled", "dropped", "bad_request_refused")
 
 
+def open_files() -> list[str]:
+    """What each open file descriptor points at (sockets, pipes, files)."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:  # closed meanwhile (the listing's own descriptor)
+            pass
+    return out
+
+
 def rss_mb() -> float:
     with open("/proc/self/status") as f:
         for line in f:
@@ -73,7 +84,7 @@ class SoakServer:
         state = self.app.state.server
         return {"rss_mb": round(rss_mb(), 1),
                 "free_blocks": self.core.block_manager.num_free_blocks,
-                "fds": len(os.listdir("/proc/self/fd")),
+                "fds": len(os.listdir("/proc/self/fd")), "files": open_files(),
                 "loop_tasks": asyncio.run_coroutine_threadsafe(tasks(), self.engine._loop
                                                                ).result(10),
                 "engine_requests": self.engine.num_in_flight(),
@@ -131,59 +142,59 @@ async def ws_request(port: int, rng: random.Random, max_tokens: int, drop: bool,
                         "cancelled": "cancelled"}.get(status, f"done:{status}")
 
 
-async def http_request(port: int, rng: random.Random, max_tokens: int, drop: bool,
-                       stream: bool) -> str:
+async def http_request(client: httpx.AsyncClient, port: int, rng: random.Random,
+                       max_tokens: int, drop: bool, stream: bool) -> str:
     body = {"model": "soak", "messages": [{"role": "user", "content": rng.choice(PROMPTS)}],
             "max_tokens": max_tokens, "ignore_eos": True, "stream": stream}
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
-    async with httpx.AsyncClient(timeout=120) as client:
-        if not stream:
-            r = await client.post(url, json=body)
-            return ("completed" if r.status_code == 200 else
-                    "refused" if r.status_code == 429 else f"http:{r.status_code}")
-        async with client.stream("POST", url, json=body) as r:
-            if r.status_code != 200:
-                return "refused" if r.status_code == 429 else f"http:{r.status_code}"
-            chunks = 0
-            async for line in r.aiter_lines():
-                if line.startswith("data: "):
-                    chunks += 1
-                    if drop and chunks == 2:
-                        return "dropped"  # leaving the block closes the connection mid-stream
-                    if line == "data: [DONE]":
-                        return "completed"
+    if not stream:
+        r = await client.post(url, json=body)
+        return ("completed" if r.status_code == 200 else
+                "refused" if r.status_code == 429 else f"http:{r.status_code}")
+    async with client.stream("POST", url, json=body) as r:
+        if r.status_code != 200:
+            return "refused" if r.status_code == 429 else f"http:{r.status_code}"
+        chunks = 0
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                chunks += 1
+                if drop and chunks == 2:
+                    return "dropped"  # leaving the block closes the connection mid-stream
+                if line == "data: [DONE]":
+                    return "completed"
     return "http:no_done"
 
 
-async def bad_request(port: int, rng: random.Random) -> str:
+async def bad_request(client: httpx.AsyncClient, port: int, rng: random.Random) -> str:
     bodies = [{"model": "soak", "messages": [{"role": "user", "content": [{"type": "text",
                                                                            "text": 5}]}]},
               {"model": "soak", "messages": [{"role": "user", "content": "x" * 300_000}]},
               {"model": "soak", "messages": [{"role": "wizard", "content": "hi"}]},
               {"model": "soak", "messages": [], "stop": ["a"] * 50}]
-    async with httpx.AsyncClient(timeout=60) as client:
-        r = await client.post(f"http://127.0.0.1:{port}/v1/chat/completions",
-                              json=rng.choice(bodies))
+    r = await client.post(f"http://127.0.0.1:{port}/v1/chat/completions",
+                          json=rng.choice(bodies))
     return "bad_request_refused" if r.status_code == 400 else f"http:{r.status_code}"
 
 
 async def client_loop(port: int, seed: int, until: float, disconnect: float, max_tokens: int,
                       outcomes: collections.Counter) -> None:
     rng = random.Random(seed)
-    while time.monotonic() < until:
-        drop = rng.random() < disconnect
-        kind = rng.random()
-        try:
-            if kind < 0.1:
-                outcome = await bad_request(port, rng)
-            elif kind < 0.55:
-                outcome = await ws_request(port, rng, max_tokens, drop, cancel=rng.random() < 0.1)
-            else:
-                outcome = await http_request(port, rng, max_tokens, drop,
-                                             stream=rng.random() < 0.7)
-        except Exception as exc:  # a client-side failure is an outcome to count, not a crash
-            outcome = f"client:{type(exc).__name__}"
-        outcomes[outcome] += 1
+    async with httpx.AsyncClient(timeout=120) as client:
+        while time.monotonic() < until:
+            drop = rng.random() < disconnect
+            kind = rng.random()
+            try:
+                if kind < 0.1:
+                    outcome = await bad_request(client, port, rng)
+                elif kind < 0.55:
+                    outcome = await ws_request(port, rng, max_tokens, drop,
+                                               cancel=rng.random() < 0.1)
+                else:
+                    outcome = await http_request(client, port, rng, max_tokens, drop,
+                                                 stream=rng.random() < 0.7)
+            except Exception as exc:  # a client-side failure is an outcome to count
+                outcome = f"client:{type(exc).__name__}"
+            outcomes[outcome] += 1
 
 
 async def health_probe(port: int, until: float, latencies: list[float]) -> None:
@@ -210,6 +221,11 @@ async def load(port: int, args, outcomes, latencies, rss: list[tuple[float, floa
                            for i in range(args.clients)))
 
 
+async def warm_up(port: int) -> None:
+    async with httpx.AsyncClient(timeout=120) as client:
+        await http_request(client, port, random.Random(0), 4, False, False)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--target", help="target model folder (default: a tiny random model)")
@@ -233,7 +249,7 @@ def main(argv=None) -> int:
         srv = SoakServer(target, draft, args.speculation, args.max_queued)
         try:
             # One warm-up request so lazily built state (kernels, caches) is in the baseline.
-            asyncio.run(http_request(srv.port, random.Random(0), 4, False, False))
+            asyncio.run(warm_up(srv.port))
             before = srv.wait_idle()
             outcomes: collections.Counter = collections.Counter()
             latencies: list[float] = []
@@ -251,7 +267,12 @@ def report(args, before, after, outcomes, latencies, rss) -> int:
           f"mid-stream, max_tokens {args.max_tokens}; CPU flags {' '.join(cpu)}")
     print(f"{'':16}{'before':>10}{'after':>10}")
     for key in before:
-        print(f"{key:16}{before[key]:>10}{after[key]:>10}")
+        if key != "files":
+            print(f"{key:16}{before[key]:>10}{after[key]:>10}")
+    kinds = collections.Counter(f.split(":")[0] for f in after["files"])
+    kinds.subtract(f.split(":")[0] for f in before["files"])
+    if any(kinds.values()):
+        print(f"open files after - before, by kind: {dict(+kinds)} more, {dict(-kinds)} fewer")
     total = sum(outcomes.values())
     print(f"requests: {total}; " + ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items())))
     if latencies:
