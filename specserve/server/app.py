@@ -30,7 +30,7 @@ from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket
 
-from ..engine.async_engine import AsyncEngine
+from ..engine import AsyncEngine
 from . import openai_api
 from .admission import Admission
 from .auth import (
@@ -44,7 +44,7 @@ from .auth import (
 from .body_limit import BodyLimitMiddleware
 from .connections import guarded_h11_protocol
 from .hosts import LOOPBACK_NAMES, HostGuard, HostMiddleware
-from .limits import Preparer, ServerLimits, batch_slots, model_facts
+from .limits import Preparer, ServerLimits, model_facts
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .ws import Session
 
@@ -67,7 +67,7 @@ class ServerState:
 
 
 def default_model_name(engine: AsyncEngine) -> str:
-    target = Path(engine.core.config.target)
+    target = Path(engine.model_info.target)
     if target.name == "target" and target.parent.name == "demo":
         return "specserve-demo"
     return target.name
@@ -87,11 +87,11 @@ def create_app(engine: AsyncEngine, *, api_key: str | None = None,
     guard = Guard(api_key, allowed_origins)
     limits = limits or ServerLimits.for_engine(engine)
     state = ServerState(engine=engine, model_name=name,
-                        model_root=str(engine.core.config.target),
+                        model_root=str(engine.model_info.target),
                         limits=limits, guard=guard,
                         metrics=ServerMetrics(engine, name), created=int(time.time()),
                         preparer=Preparer(model_facts(engine), limits),
-                        admission=Admission(batch_slots(engine) + limits.max_queued_requests))
+                        admission=Admission(limits.max_queued_requests))
     static = Path(static_dir) if static_dir is not None else STATIC_DIR
 
     @contextlib.asynccontextmanager

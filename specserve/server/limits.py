@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
-from ..engine.async_engine import AsyncEngine
+from ..engine import AsyncEngine
 from ..validation import (
     ModelFacts,
     PreparedRequest,
@@ -41,9 +41,9 @@ class ServerLimits(RequestLimits):
     max_message_bytes: int = 1 << 20  # one WebSocket frame
     max_requests_in_flight: int = 16  # per WebSocket
     max_request_bytes: int = 4 << 20  # one HTTP body; 413 past it, before reading further
-    # Requests admitted beyond what the engine runs at once (its batch slots); past it, new
-    # requests get HTTP 429 / WebSocket `overloaded`.
-    max_queued_requests: int = 64
+    # Requests the server holds at once, in the engine's batch or waiting for it (counted from
+    # before tokenizing to the end of the stream); past it, HTTP 429 / WebSocket `overloaded`.
+    max_queued_requests: int = 128
     max_connections: int = 0  # 0: half the file-descriptor limit (see below)
     request_read_timeout_s: float = 10.0  # a request's head and body must arrive within it
 
@@ -54,25 +54,19 @@ class ServerLimits(RequestLimits):
     @classmethod
     def for_engine(cls, engine: AsyncEngine, **overrides) -> ServerLimits:
         """Limits that follow from the engine: its context and its KV pool, whichever is less."""
-        core = engine.core
-        pool_tokens = core.block_manager.num_blocks * core.block_manager.block_size
-        return cls.for_context(min(core.max_model_len, pool_tokens), **overrides)
+        engine_limits = engine.limits
+        return cls.for_context(min(engine_limits.max_model_len, engine_limits.kv_pool_tokens),
+                               **overrides)
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
 def model_facts(engine: AsyncEngine) -> ModelFacts:
-    core = engine.core
-    tokenizer = engine.tokenizer
-    return ModelFacts(tokenizer=tokenizer, vocab_size=core.target.spec.vocab_size,
-                      has_draft=core.draft is not None, default_mode=core.default_mode,
+    info, tokenizer = engine.model_info, engine.tokenizer
+    return ModelFacts(tokenizer=tokenizer, vocab_size=info.vocab_size, has_draft=info.has_draft,
+                      default_mode=info.default_speculation,
                       roles=template_roles(getattr(tokenizer, "chat_template", None)))
-
-
-def batch_slots(engine: AsyncEngine) -> int:
-    """How many requests the engine runs side by side."""
-    return engine.core.config.scheduler.max_num_seqs
 
 
 class Preparer:

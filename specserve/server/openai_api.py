@@ -24,7 +24,7 @@ from msgspec import Meta
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from ..engine.async_engine import EngineStoppedError, RequestStream
+from ..engine import EngineStoppedError, RequestStream
 from ..outputs import RequestDelta
 from ..validation import (
     PreparedRequest,

@@ -21,7 +21,7 @@ import orjson
 from msgspec import UNSET, Meta, UnsetType
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketDisconnected
 
-from ..engine.async_engine import EngineStoppedError, RequestStream
+from ..engine import EngineStoppedError, RequestStream
 from ..outputs import RequestDelta
 from ..validation import (
     RequestError,
@@ -148,7 +148,7 @@ class Session:
 
     def _session_object(self) -> dict:
         return {"id": self.id, "model": self.state.model_name,
-                "speculation": str(self.engine.core.default_mode),
+                "speculation": str(self.engine.model_info.default_speculation),
                 "defaults": msgspec.to_builtins(self.defaults),
                 "limits": self.limits.as_dict()}
 

@@ -16,7 +16,10 @@ import orjson
 import pytest
 from server_helpers import WSConn, done_of, run
 
-pytestmark = pytest.mark.timeout(180)
+# Each test starts a `specserve serve` process (tens of seconds on a loaded machine). The
+# drain is 0 s where streams must be ended and 60 s where they must finish, so neither outcome
+# depends on how fast this machine generates.
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
 LONG = 480  # output tokens: far more than a drain of 0 s lets run
 
