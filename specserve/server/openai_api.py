@@ -3,9 +3,11 @@
 Request bodies are decoded with orjson and checked with msgspec structs that ignore fields we
 do not use (OpenAI clients send many), then go through the same `prepare_request` as WebSocket
 requests. Streaming answers are server-sent events, one chunk per engine step that produced
-text, ending with `data: [DONE]`. A client that goes away mid-request cancels it: a watcher
-task waits for `http.disconnect` and aborts the engine request, so its KV blocks come back even
-while no text is being written.
+text, ending with `data: [DONE]`; a stream the server ends (an engine error, or the drain at
+shutdown) sends an error chunk (`data: {"error": ...}`) before `[DONE]`. A client that goes away
+mid-request cancels it: a watcher task waits for `http.disconnect` and aborts the engine
+request, so its KV blocks come back even while no text is being written. Every request holds an
+admission ticket (`admission.py`) from before it is prepared until its stream ends.
 """
 
 from __future__ import annotations
@@ -24,8 +26,15 @@ from starlette.responses import Response, StreamingResponse
 
 from ..engine import EngineStoppedError, RequestStream
 from ..outputs import RequestDelta
+from ..validation import (
+    PreparedRequest,
+    RequestError,
+    SpeculationSpec,
+    StopSpec,
+    validation_param,
+)
+from .admission import RETRY_AFTER_S, Ticket
 from .auth import error_body
-from .limits import PreparedRequest, RequestError, prepare_request, validation_param
 from .metrics import request_metrics
 
 if TYPE_CHECKING:
@@ -40,8 +49,8 @@ class StreamOptions(msgspec.Struct):
 
 
 class ChatMessage(msgspec.Struct):
-    role: str
-    content: str | list[dict] | None = None
+    role: str  # checked against the chat template's roles by validation
+    content: str | list[dict] | None = None  # text parts only; validation checks each
 
 
 class _Common(msgspec.Struct, kw_only=True):
@@ -49,7 +58,7 @@ class _Common(msgspec.Struct, kw_only=True):
     temperature: Annotated[float, Meta(ge=0)] | None = None
     top_p: Annotated[float, Meta(gt=0, le=1)] | None = None
     max_tokens: Annotated[int, Meta(ge=1)] | None = None
-    stop: str | list[str] | None = None
+    stop: StopSpec | None = None
     seed: int | None = None
     n: int = 1
     stream: bool = False
@@ -57,7 +66,7 @@ class _Common(msgspec.Struct, kw_only=True):
     # specserve extensions (pass with extra_body= from the openai package)
     top_k: Annotated[int, Meta(ge=-1)] | None = None
     ignore_eos: bool | None = None
-    speculation: str | list[list[int]] | None = None
+    speculation: SpeculationSpec | None = None
 
 
 class ChatCompletionRequest(_Common, kw_only=True):
@@ -71,8 +80,14 @@ class CompletionRequest(_Common, kw_only=True):
 
 
 def _error(status: int, message: str, code: str, param: str | None = None) -> Response:
+    headers = {"retry-after": str(RETRY_AFTER_S)} if status == 429 else None
     return Response(error_body(message, code, param=param), status,
-                    media_type="application/json")
+                    media_type="application/json", headers=headers)
+
+
+def _shown(name: str, limit: int = 64) -> str:
+    """A client-sent string as error messages quote it: never more than `limit` characters."""
+    return repr(name) if len(name) <= limit else repr(name[:limit]) + "..."
 
 
 async def _decode(request: Request, cls: type[msgspec.Struct]):
@@ -105,26 +120,31 @@ async def completions(request: Request) -> Response:
 
 async def _complete(request: Request, chat: bool) -> Response:
     state: ServerState = request.app.state.server
+    ticket: Ticket | None = None
+    streaming = False
     try:
         body = await _decode(request, ChatCompletionRequest if chat else CompletionRequest)
         if body.model not in (state.model_name, state.model_root):
-            return _error(404, f"the model {body.model!r} does not exist; this server serves "
-                          f"{state.model_name!r}", "model_not_found", "model")
+            return _error(404, f"the model {_shown(body.model)} does not exist; this server "
+                          f"serves {state.model_name!r}", "model_not_found", "model")
         if body.n != 1:
             raise RequestError("invalid_field", "only n=1 is supported", "n")
-        prepared = _prepare(state, body, chat)
+        ticket = state.admission.admit()
+        prepared = await _prepare(state, body, chat)
         stream = state.engine.add_request(prepared.prompt_token_ids, prepared.params,
                                           _new_id("req"), prepared.speculation)
-    except RequestError as exc:
-        return _error(exc.http_status, exc.message, exc.code, exc.param)
-    except EngineStoppedError as exc:
-        return _error(503, str(exc), "server_unavailable")
-    except ValueError as exc:
-        return _error(400, str(exc), "invalid_request")
+        ticket.attach(stream.abort)
 
-    watcher = asyncio.create_task(_abort_on_disconnect(request, stream))
-    reply = _Reply(state, chat, len(prepared.prompt_token_ids))
-    if not body.stream:
+        reply = _Reply(state, chat, len(prepared.prompt_token_ids))
+        watcher = asyncio.create_task(_abort_on_disconnect(request, stream, reply, ticket))
+        if body.stream:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            response = StreamingResponse(_sse(reply, stream, watcher, ticket, include_usage),
+                                         media_type="text/event-stream",
+                                         headers={"cache-control": "no-cache",
+                                                  "x-accel-buffering": "no"})
+            streaming = True  # the ticket is _sse's now
+            return response
         try:
             async for delta in stream:
                 reply.add(delta)
@@ -132,14 +152,22 @@ async def _complete(request: Request, chat: bool) -> Response:
             watcher.cancel()
         if reply.error is not None:
             return _error(500, reply.error, "engine_error")
+        if reply.finish_reason == "abort" and not reply.client_gone:
+            return _error(503, "the server is shutting down", "server_unavailable")
         return Response(orjson.dumps(reply.whole()), media_type="application/json")
-    include_usage = body.stream_options is not None and body.stream_options.include_usage
-    return StreamingResponse(_sse(reply, stream, watcher, include_usage),
-                             media_type="text/event-stream",
-                             headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+    except RequestError as exc:
+        return _error(exc.http_status, exc.message, exc.code, exc.param)
+    except EngineStoppedError as exc:
+        return _error(503, str(exc), "server_unavailable")
+    except ValueError as exc:
+        return _error(400, str(exc), "invalid_request")
+    finally:
+        if ticket is not None and not streaming:
+            ticket.release()
 
 
-def _prepare(state: ServerState, body: _Common, chat: bool) -> PreparedRequest:
+
+async def _prepare(state: ServerState, body: _Common, chat: bool) -> PreparedRequest:
     max_tokens = body.max_tokens
     names = {"max_output_tokens": "max_tokens"}
     if chat:
@@ -157,20 +185,24 @@ def _prepare(state: ServerState, body: _Common, chat: bool) -> PreparedRequest:
                 raise RequestError("invalid_field", "give one prompt string, or token ids",
                                    "prompt")
             prompt = prompt[0]
-    return prepare_request(
-        state.engine, state.limits, messages=messages, prompt=prompt,
+    return await state.preparer.prepare(
+        messages=messages, prompt=prompt,
         temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
         stop=body.stop, max_output_tokens=max_tokens, ignore_eos=body.ignore_eos,
         speculation=body.speculation, param=lambda name: names.get(name, name))
 
 
-async def _abort_on_disconnect(request: Request, stream: RequestStream) -> None:
+async def _abort_on_disconnect(request: Request, stream: RequestStream, reply: _Reply,
+                               ticket: Ticket) -> None:
     # Starlette no longer watches for disconnects while streaming (ASGI spec 2.4), and a
-    # non-streaming request would otherwise run to its end for nobody.
+    # non-streaming request would otherwise run to its end for nobody. The ticket goes back
+    # here too: a response whose client left before it started never runs _sse's cleanup.
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
+            reply.client_gone = True
             stream.abort()
+            ticket.release()
             return
 
 
@@ -194,6 +226,7 @@ class _Reply:
         self.metrics: dict | None = None
         self.error: str | None = None
         self.role_sent = False
+        self.client_gone = False
 
     def add(self, delta: RequestDelta) -> None:
         self.n_out += len(delta.token_ids)
@@ -245,7 +278,7 @@ class _Reply:
         return b"data: " + orjson.dumps(chunk) + b"\n\n"
 
 
-async def _sse(reply: _Reply, stream: RequestStream, watcher: asyncio.Task,
+async def _sse(reply: _Reply, stream: RequestStream, watcher: asyncio.Task, ticket: Ticket,
                include_usage: bool) -> AsyncIterator[bytes]:
     try:
         async for delta in stream:
@@ -255,7 +288,16 @@ async def _sse(reply: _Reply, stream: RequestStream, watcher: asyncio.Task,
         yield reply.chunk(None, reply.finish_reason, include_usage)
         if include_usage:
             yield reply.usage_chunk()
+        if reply.error is not None:
+            yield _error_chunk(reply.error, "engine_error")
+        elif reply.finish_reason == "abort" and not reply.client_gone:
+            yield _error_chunk("the server is shutting down", "server_shutdown")
         yield b"data: [DONE]\n\n"
     finally:
         watcher.cancel()
         stream.abort()  # a no-op once finished; frees the blocks if the writer failed
+        ticket.release()
+
+
+def _error_chunk(message: str, code: str) -> bytes:
+    return b"data: " + error_body(message, code, "server_error") + b"\n\n"
