@@ -154,7 +154,8 @@ class EngineCore:
     @property
     def limits(self) -> EngineLimits:
         blocks = self.block_manager
-        return EngineLimits(self.max_model_len, blocks.num_blocks * blocks.block_size)
+        return EngineLimits(self.max_model_len, blocks.num_blocks * blocks.block_size,
+                            self.config.scheduler.max_num_seqs)
 
     def kv_pool(self) -> KVPoolStats:
         blocks = self.block_manager

@@ -91,7 +91,7 @@ def create_app(engine: AsyncEngine, *, api_key: str | None = None,
                         limits=limits, guard=guard,
                         metrics=ServerMetrics(engine, name), created=int(time.time()),
                         preparer=Preparer(model_facts(engine), limits),
-                        admission=Admission(limits.max_queued_requests))
+                        admission=Admission(batch_slots(engine) + limits.max_queued_requests))
     static = Path(static_dir) if static_dir is not None else STATIC_DIR
 
     @contextlib.asynccontextmanager

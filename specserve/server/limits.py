@@ -63,10 +63,16 @@ class ServerLimits(RequestLimits):
 
 
 def model_facts(engine: AsyncEngine) -> ModelFacts:
-    info, tokenizer = engine.model_info, engine.tokenizer
-    return ModelFacts(tokenizer=tokenizer, vocab_size=info.vocab_size, has_draft=info.has_draft,
-                      default_mode=info.default_speculation,
+    tokenizer = engine.tokenizer
+    info = engine.model_info
+    return ModelFacts(tokenizer=tokenizer, vocab_size=info.vocab_size,
+                      has_draft=info.has_draft, default_mode=info.default_speculation,
                       roles=template_roles(getattr(tokenizer, "chat_template", None)))
+
+
+def batch_slots(engine: AsyncEngine) -> int:
+    """How many requests the engine runs side by side."""
+    return engine.limits.max_num_seqs
 
 
 class Preparer:
