@@ -33,12 +33,13 @@ CHAT = "/v1/chat/completions"
 
 
 class Served:
-    def __init__(self, target: str, draft: str | None, log: Path) -> None:
+    def __init__(self, target: str, draft: str | None, max_queued: int, log: Path) -> None:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             self.port = sock.getsockname()[1]
         cmd = [sys.executable, "-m", "specserve", "serve", "--target", str(target),
-               "--port", str(self.port), "--drain-timeout", "2", "--log-level", "warning"]
+               "--port", str(self.port), "--drain-timeout", "2", "--log-level", "warning",
+               "--max-queued-requests", str(max_queued)]
         if draft:
             cmd += ["--draft", str(draft), "--speculation", "chain:3"]
         self.log = log.open("wb")
@@ -264,6 +265,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--target", help="target model folder (default: a tiny random model)")
     parser.add_argument("--draft")
+    parser.add_argument("--max-queued", type=int, default=64,
+                        help="the server's --max-queued-requests (default 64)")
     args = parser.parse_args(argv)
     cpu = sorted({f for f in open("/proc/cpuinfo").read().split() if f.startswith("avx")})
     with tempfile.TemporaryDirectory() as tmp:
@@ -272,12 +275,13 @@ def main(argv=None) -> int:
             from tests.tiny_models import save_model  # run from the repository root
 
             target = draft = save_model(Path(tmp) / "tiny", "llama", seed=0)
-        srv = Served(target, draft, Path(tmp) / "serve.log")
+        srv = Served(target, draft, args.max_queued, Path(tmp) / "serve.log")
         try:
             raw(srv.port, post(srv.port, orjson.dumps({"model": srv.model, "max_tokens": 4,
                                                        "prompt": "warm up"})))
             base = srv.idle()
-            print(f"CPU flags {' '.join(cpu)}; server pid {srv.proc.pid}; baseline {base}")
+            print(f"CPU flags {' '.join(cpu)}; --max-queued-requests {args.max_queued}; "
+                  f"baseline {base}")
             print("| attack | times | result | lost (blocks, fds, requests) | /health ms p50 / max "
                   "(failed) | RSS MB before -> after |")
             print("|---|---|---|---|---|---|")

@@ -46,9 +46,9 @@ def add_serve(sub) -> None:
                    help="a browser origin allowed besides the server's own (repeatable; "
                    "'*' allows any)")
     p.add_argument("--model-name", help="the model id clients see (default: from --target)")
-    p.add_argument("--max-queued-requests", type=int, default=128, metavar="N",
-                   help="requests held at once, running or waiting; past it HTTP 429 and "
-                   "WebSocket 'overloaded' (default: 128)")
+    p.add_argument("--max-queued-requests", type=int, default=64, metavar="N",
+                   help="requests held beyond the engine's batch; past it HTTP 429 and "
+                   "WebSocket 'overloaded' (default: 64)")
     p.add_argument("--max-request-bytes", type=int, default=4 << 20, metavar="N",
                    help="largest HTTP request body; 413 past it (default: 4 MiB)")
     p.add_argument("--allowed-hosts", default="", metavar="H,...",

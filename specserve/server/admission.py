@@ -1,10 +1,9 @@
 """Admission control: how many requests the server holds at once, and the drain on shutdown.
 
 Every request, from any route, takes a `Ticket` before it is prepared and gives it back when its
-stream has ended (or it was refused). The server holds at most `max_queued_requests` tickets
-(requests in the engine's batch or waiting for it); past that a request is refused at once with
-`overloaded` (HTTP 429 and Retry-After), rather than queueing behind work it would wait minutes
-for. When the server
+stream has ended (or it was refused). The server holds at most the engine's batch slots plus
+`max_queued_requests` tickets; past that a request is refused at once with `overloaded` (HTTP 429
+and Retry-After), rather than queueing behind work it would wait minutes for. When the server
 drains, new requests are refused with `server_unavailable`, and what is still running after the
 drain timeout is aborted through the tickets (each route then sends its final event).
 """

@@ -44,7 +44,7 @@ from .auth import (
 from .body_limit import BodyLimitMiddleware
 from .connections import guarded_h11_protocol
 from .hosts import LOOPBACK_NAMES, HostGuard, HostMiddleware
-from .limits import Preparer, ServerLimits, model_facts
+from .limits import Preparer, ServerLimits, batch_slots, model_facts
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .ws import Session
 

@@ -41,9 +41,9 @@ class ServerLimits(RequestLimits):
     max_message_bytes: int = 1 << 20  # one WebSocket frame
     max_requests_in_flight: int = 16  # per WebSocket
     max_request_bytes: int = 4 << 20  # one HTTP body; 413 past it, before reading further
-    # Requests the server holds at once, in the engine's batch or waiting for it (counted from
-    # before tokenizing to the end of the stream); past it, HTTP 429 / WebSocket `overloaded`.
-    max_queued_requests: int = 128
+    # Requests admitted beyond what the engine runs at once (its batch slots); past it, new
+    # requests get HTTP 429 / WebSocket `overloaded`.
+    max_queued_requests: int = 64
     max_connections: int = 0  # 0: half the file-descriptor limit (see below)
     request_read_timeout_s: float = 10.0  # a request's head and body must arrive within it
 

@@ -23,9 +23,9 @@ from specserve.engine.core import EngineCore
 from specserve.llm import build_engine_config
 from specserve.server import ServerLimits, create_app
 
-# Two requests run side by side, the server holds three: one waits; cheap to reach.
+# Two requests run side by side and one more may wait: capacity 3, cheap to reach.
 MAX_NUM_SEQS = 2
-MAX_QUEUED = 3
+MAX_QUEUED = 1
 REQUEST_BYTES = 256 * 1024
 READ_TIMEOUT_S = 1.0
 MAX_CONNECTIONS = 48

@@ -254,7 +254,7 @@ def test_origin_must_match_the_scheme_too(hard):
 
 # ---- 6. admission control ------------------------------------------------------------------
 def test_past_the_queue_limit_requests_are_refused_with_overloaded(hard):
-    capacity = MAX_QUEUED
+    capacity = MAX_NUM_SEQS + MAX_QUEUED
     ids = [f"long{i}" for i in range(capacity)]
 
     async def go():
