@@ -54,7 +54,7 @@ Signature = tuple[list, object]  # (argtypes, restype)
 # Source file -> the functions it exports and their ctypes signatures.
 KERNELS: dict[str, dict[str, Signature]] = {
     "cpu_gemv.c": {
-        "gemv_bf16": ([_p] * 5 + [_i64] * 3 + [_i32], None),
+        "gemv_bf16": ([_p] * 5 + [_i64] * 3 + [_i32], ctypes.c_int),
     },
     "cpu_attention.c": {
         "paged_attention_bf16": (

@@ -38,9 +38,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=torch.bfloat16)  # [..., N]
     bias = None if bias is None else bias.contiguous()  # kept alive through the call
     # One pass: products, bias and the rounding to bf16 all in the kernel.
-    lib.gemv_bf16(x2.data_ptr(), weight.data_ptr(),
-                  None if bias is None else bias.data_ptr(), None, out.data_ptr(),
-                  rows, weight.shape[0], x.shape[-1], torch.get_num_threads())
+    _checked(lib.gemv_bf16(x2.data_ptr(), weight.data_ptr(),
+                           None if bias is None else bias.data_ptr(), None, out.data_ptr(),
+                           rows, weight.shape[0], x.shape[-1], torch.get_num_threads()))
     return out
 
 
@@ -53,9 +53,14 @@ def gemv_bf16(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     _check_features(x, weight)
     (m, k), n = x.shape, weight.shape[0]
     out = torch.empty(m, n, dtype=torch.float32)
-    lib.gemv_bf16(x.data_ptr(), weight.data_ptr(), None, out.data_ptr(), None, m, n, k,
-                  torch.get_num_threads())
+    _checked(lib.gemv_bf16(x.data_ptr(), weight.data_ptr(), None, out.data_ptr(), None, m, n, k,
+                           torch.get_num_threads()))
     return out
+
+
+def _checked(status: int) -> None:
+    if status != 0:
+        raise MemoryError("gemv_bf16: could not allocate its activation buffer")
 
 
 def _check_features(x: torch.Tensor, weight: torch.Tensor) -> None:
