@@ -1,4 +1,5 @@
-/* bf16 matrix-vector products for decode and verify steps (a few activation rows) on CPU.
+/* bf16 matrix products on CPU: decode and verify steps (a few activation rows), and prompt
+ * chunks where torch has no fast bf16 GEMM (see cpu_linear.py).
  *
  * y[m, n] = sum_k x[m, k] * w[n, k]   (x [M, K] bf16, w [N, K] bf16 row-major, y [M, N] fp32)
  *
@@ -59,6 +60,7 @@
 #endif
 #define SEQUENTIAL_ROWS 8
 #define WIDE_K 2048
+#define X_BLOCK_BYTES (256 * 1024)
 
 /* Where results go: y fp32, or bf16 (rounded to nearest even) with the bias (bf16, may be
  * NULL) added first in fp32, as F.linear on bf16 tensors computes it. Pointers are advanced
@@ -205,11 +207,21 @@ int gemv_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, float 
     if (xp.v == NULL) return -1;
     const int block_rows = M <= 2 || (M <= SEQUENTIAL_ROWS && K < WIDE_K) ? 1 : WIDE_NR;
     const int64_t num_blocks = (N + block_rows - 1) / block_rows;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t b = 0; b < num_blocks; b++) {
-        const int64_t n0 = b * block_rows;
-        const int nr = N - n0 < block_rows ? (int)(N - n0) : block_rows;
-        weight_block(xp, w, y, M, N, K, n0, nr, block_rows);
+    /* Many rows (a prompt chunk): a block of rows at a time, so the activations each weight
+     * block meets stay in L2 instead of streaming from memory once per weight block. */
+    int64_t m_block = X_BLOCK_BYTES / (steps * (int64_t)sizeof(dot_vec));
+    if (m_block < MR_NARROW) m_block = MR_NARROW;
+#pragma omp parallel num_threads(num_threads)
+    for (int64_t m0 = 0; m0 < M; m0 += m_block) {
+        const int64_t rows = M - m0 < m_block ? M - m0 : m_block;
+        const Prepared xs = {xp.v + m0 * steps, steps};
+        const Output ys = output_at(y, m0 * N, 0);
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < num_blocks; b++) {
+            const int64_t n0 = b * block_rows;
+            const int nr = N - n0 < block_rows ? (int)(N - n0) : block_rows;
+            weight_block(xs, w, ys, rows, N, K, n0, nr, block_rows);
+        }
     }
     return 0;
 }
