@@ -84,7 +84,7 @@ COMMON_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 
 def supported_isas() -> list[str]:
     """The C paths this CPU can run, best first (torch, always possible, not included)."""
-    flags = _cpu_flags()
+    flags = cpu_flags()
     return [isa for isa, needs in ISA_REQUIRES.items() if needs <= flags]
 
 
@@ -96,7 +96,7 @@ def selected_isa() -> str:
         return supported_isas()[0]
     if wanted not in ISAS:
         raise ValueError(f"SPECSERVE_CPU_ISA={wanted!r}: expected one of {', '.join(ISAS)}")
-    missing = ISA_REQUIRES.get(wanted, set()) - _cpu_flags()
+    missing = ISA_REQUIRES.get(wanted, set()) - cpu_flags()
     if missing:
         raise RuntimeError(f"SPECSERVE_CPU_ISA={wanted}: this CPU lacks "
                            f"{', '.join(sorted(missing))}")
@@ -167,7 +167,7 @@ def build(compiler: str, isa: str) -> Path:
 
 
 @cache
-def _cpu_flags() -> frozenset[str]:
+def cpu_flags() -> frozenset[str]:
     try:
         cpuinfo = Path("/proc/cpuinfo").read_text()
     except OSError:
