@@ -176,7 +176,9 @@ async def bad_request(client: httpx.AsyncClient, port: int, rng: random.Random) 
               {"model": "soak", "messages": [], "stop": ["a"] * 50}]
     r = await client.post(f"http://127.0.0.1:{port}/v1/chat/completions",
                           json=rng.choice(bodies))
-    return "bad_request_refused" if r.status_code == 400 else f"http:{r.status_code}"
+    # Admission comes before validation: at capacity a bad request is refused as overloaded.
+    return ("bad_request_refused" if r.status_code == 400 else
+            "refused" if r.status_code == 429 else f"http:{r.status_code}")
 
 
 async def client_loop(port: int, seed: int, until: float, disconnect: float, max_tokens: int,
