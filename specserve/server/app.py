@@ -17,6 +17,7 @@ from pathlib import Path
 
 import orjson
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import FileResponse, Response
@@ -25,13 +26,14 @@ from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket
 
 from ..engine.async_engine import AsyncEngine
-from . import openai_api
+from . import openai_api, tokenize_api
 from .auth import (
     SUBPROTOCOL,
     WS_CLOSE_BAD_SUBPROTOCOL,
     WS_CLOSE_UNAUTHORIZED,
     Guard,
     GuardMiddleware,
+    error_body,
 )
 from .limits import ServerLimits
 from .metrics import CONTENT_TYPE, ServerMetrics
@@ -88,16 +90,33 @@ def create_app(engine: AsyncEngine, *, api_key: str | None = None,
         Route("/health", health),
         Route("/metrics", metrics),
         Route("/v1/models", openai_api.list_models),
+        Route("/v1/models/{model:path}", openai_api.retrieve_model),
         Route("/v1/chat/completions", openai_api.chat_completions, methods=["POST"]),
         Route("/v1/completions", openai_api.completions, methods=["POST"]),
+        Route("/tokenize", tokenize_api.tokenize, methods=["POST"]),
+        Route("/detokenize", tokenize_api.detokenize, methods=["POST"]),
         WebSocketRoute("/v1/ws", websocket_endpoint),
         Route("/", index),
         Mount("/static", StaticFiles(directory=static, check_dir=False), name="static"),
     ]
     app = Starlette(routes=routes, middleware=[Middleware(GuardMiddleware, guard=guard)],
-                    lifespan=lifespan)
+                    exception_handlers={HTTPException: http_error}, lifespan=lifespan)
     app.state.server = state
     return app
+
+
+async def http_error(request: Request, exc: HTTPException) -> Response:
+    """Routing errors (unknown route 404, wrong method 405, ...) as OpenAI-shaped JSON."""
+    where = f"{request.method} {request.url.path}"
+    if exc.status_code == 404:
+        code, message = "not_found", f"not found: {where}"
+    elif exc.status_code == 405:
+        allowed = (exc.headers or {}).get("Allow", "")
+        code, message = "method_not_allowed", f"method not allowed: {where} (allowed: {allowed})"
+    else:
+        code, message = "http_error", str(exc.detail)
+    return Response(error_body(message, code), exc.status_code, headers=exc.headers,
+                    media_type="application/json")
 
 
 async def health(request: Request) -> Response:

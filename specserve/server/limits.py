@@ -53,6 +53,7 @@ class ServerLimits:
     default_max_output_tokens: int = 512  # when a request does not say; cut to fit the context
     max_message_bytes: int = 1 << 20  # one WebSocket frame
     max_requests_in_flight: int = 16  # per WebSocket
+    max_choices: int = 64  # engine requests one OpenAI request may start (prompts x n)
 
     @classmethod
     def for_engine(cls, engine: AsyncEngine, **overrides) -> ServerLimits:
