@@ -29,6 +29,7 @@ from ..spec.proposers import DraftModelProposer, NgramProposer, spec_slots_for
 from ..spec.tree import build_tree_buffers, node_depths
 from ..spec.verify import TokenTree, Verdict, verify_greedy, verify_sampled
 from .block_manager import BlockManager
+from .logprobs import chunked_token_logprobs, token_logprobs
 from .request import Request
 from .scheduler import ScheduledRequest, Scheduler
 
@@ -187,12 +188,12 @@ class EngineCore:
         t2 = time.perf_counter()
         segments = [self._target_segment(item, trees.get(item.request.request_id))
                     for item in out.scheduled]
-        logits = self.runner.forward(segments)
+        logits, hidden = self.runner.forward_hidden(segments)
         t3 = time.perf_counter()
         for item in out.scheduled:
             item.request.spec.draft_time_s += t2 - t1
             item.request.spec.verify_time_s += t3 - t2
-        deltas = self._accept(out.scheduled, trees, segments, logits)
+        deltas = self._accept(out.scheduled, trees, segments, logits, hidden)
         t4 = time.perf_counter()
         stats = self.stats
         stats.num_steps += 1
@@ -231,11 +232,16 @@ class EngineCore:
                            req.block_table, range(len(tree)), buffers.tree_mask)
         end = start + item.num_new_tokens
         samples = end == req.num_tokens
+        hidden_rows = ()
+        if req.needs_prompt_logprobs:  # rows predicting prompt tokens not yet scored
+            first = max(start, len(req.prompt_logprobs) - 1)
+            hidden_rows = range(first - start, min(end, len(req.prompt_token_ids) - 1) - start)
         return Segment(req.all_token_ids[start:end], range(start, end), start, req.block_table,
-                       [item.num_new_tokens - 1] if samples else [])
+                       [item.num_new_tokens - 1] if samples else [], hidden_rows=hidden_rows)
 
     def _accept(self, scheduled: list[ScheduledRequest], trees: dict[str, TokenTree],
-                segments: list[Segment], logits: list[torch.Tensor]) -> list[RequestDelta]:
+                segments: list[Segment], logits: list[torch.Tensor],
+                hidden: list[torch.Tensor]) -> list[RequestDelta]:
         stats = self.stats
         greedy_rows = [lg for item, lg in zip(scheduled, logits)
                        if lg.shape[0] and item.request.params.greedy]
@@ -243,10 +249,12 @@ class EngineCore:
         argmax = iter(torch.cat(greedy_rows).argmax(-1).tolist() if greedy_rows else [])
         deltas = []
         now = time.monotonic()
-        for item, seg, lg in zip(scheduled, segments, logits):
+        for item, seg, lg, hid in zip(scheduled, segments, logits, hidden):
             req = item.request
             if not req.output_token_ids:
                 stats.num_prompt_tokens += item.num_new_tokens
+            if seg.hidden_rows:
+                self._score_prompt(req, seg, hid)
             if lg.shape[0] == 0:  # a prompt chunk that does not reach the end of the prompt
                 req.num_computed_tokens += item.num_new_tokens
                 self.scheduler.cache_full_blocks(req)
@@ -256,8 +264,29 @@ class EngineCore:
                 verdict = verify_greedy(tree, [next(argmax) for _ in range(len(tree))])
             else:
                 verdict = verify_sampled(tree, process_logits(lg, req.params), req.generator)
-            deltas.append(self._commit(item, tree, verdict, now))
+            delta = self._commit(item, tree, verdict, now)
+            if req.logprobs is not None or req.prompt_logprobs is not None:
+                self._score_output(req, delta, tree, verdict, lg)
+            deltas.append(delta)
         return deltas
+
+    def _score_prompt(self, req: Request, seg: Segment, hidden: torch.Tensor) -> None:
+        """Prompt log-probabilities of the tokens this chunk's hidden rows predict."""
+        first = seg.start + seg.hidden_rows[0] + 1  # the first prompt token scored
+        targets = req.prompt_token_ids[first:first + len(seg.hidden_rows)]
+        req.prompt_logprobs += chunked_token_logprobs(hidden, targets, req.params.prompt_logprobs,
+                                                      self.runner.logits)
+
+    def _score_output(self, req: Request, delta: RequestDelta, tree: TokenTree,
+                      verdict: Verdict, logits: torch.Tensor) -> None:
+        """Logprobs of the committed tokens, each from its parent's row of the verify logits
+        (root, then the accepted nodes); the prompt's ride on the request's first delta."""
+        if req.logprobs is not None:
+            rows = ([0] + verdict.accepted)[:len(delta.token_ids)]
+            delta.logprobs = token_logprobs(logits[rows], delta.token_ids, req.params.logprobs)
+            req.logprobs += delta.logprobs
+        if req.prompt_logprobs is not None and len(req.output_token_ids) == len(delta.token_ids):
+            delta.prompt_logprobs = req.prompt_logprobs
 
     def _commit(self, item: ScheduledRequest, tree: TokenTree, verdict: Verdict,
                 now: float) -> RequestDelta:
