@@ -73,6 +73,7 @@ class _Common(msgspec.Struct, kw_only=True):
     top_k: Annotated[int, Meta(ge=-1)] | None = None
     ignore_eos: bool | None = None
     speculation: str | list[list[int]] | None = None
+    return_tokens_as_token_ids: bool | None = None  # vLLM's: logprob tokens as "token_id:ID"
 
 
 class ChatCompletionRequest(_Common, kw_only=True):
@@ -331,7 +332,8 @@ class _Completion:
         self.id = _new_id("chatcmpl" if chat else "cmpl")
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
-        self.strings = TokenStrings(state.engine.tokenizer)
+        self.strings = TokenStrings(state.engine.tokenizer,
+                                    bool(body.return_tokens_as_token_ids))
         self.n = body.n or 1
         best_of = None if chat else body.best_of
         self.samples = max(self.n, best_of or 1)  # engine requests per prompt

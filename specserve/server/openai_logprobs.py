@@ -8,7 +8,9 @@ does) and `text_offset` (where each token's text starts in the choice's text); w
 prompt's tokens come first and the very first one has no logprob (`null`), as in OpenAI's API.
 
 Token strings are the tokenizer's decoding of the token alone and `bytes` their UTF-8 bytes (a
-token holding part of a multi-byte character decodes to U+FFFD, as in vLLM).
+token holding part of a multi-byte character decodes to U+FFFD, as in vLLM); with vLLM's
+extension `return_tokens_as_token_ids` they are spelled `token_id:ID` instead, which no two
+tokens share.
 """
 
 from __future__ import annotations
@@ -21,15 +23,20 @@ from ..outputs import TokenLogprob
 class TokenStrings:
     """Token id -> its text, decoded once per id (the same alternatives recur constantly)."""
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, as_ids: bool = False) -> None:
         self.tokenizer = tokenizer
+        self.as_ids = as_ids
         self.cache: dict[int, str] = {}
 
-    def __call__(self, token_id: int) -> str:
+    def text(self, token_id: int) -> str:
         text = self.cache.get(token_id)
         if text is None:
             text = self.cache[token_id] = self.tokenizer.decode([token_id])
         return text
+
+    def __call__(self, token_id: int) -> str:
+        """How the token is spelled in logprobs."""
+        return f"token_id:{token_id}" if self.as_ids else self.text(token_id)
 
 
 def _entry(strings: TokenStrings, token_id: int, logprob: float) -> dict:
@@ -46,7 +53,8 @@ def chat_logprobs(strings: TokenStrings, logprobs: Sequence[TokenLogprob]) -> di
 
 
 class CompletionLogprobs:
-    """Builds completions `choice.logprobs`, chunk by chunk, keeping `text_offset` running."""
+    """Builds completions `choice.logprobs`, chunk by chunk, keeping `text_offset` (in the
+    choice's text, counted with each token's decoded text) running."""
 
     def __init__(self, strings: TokenStrings) -> None:
         self.strings = strings
@@ -62,7 +70,7 @@ class CompletionLogprobs:
             text = strings(token_id)
             tokens.append(text)
             offsets.append(self.offset)
-            self.offset += len(text)
+            self.offset += len(strings.text(token_id))
             if lp is None:
                 values.append(None)
                 tops.append(None)
