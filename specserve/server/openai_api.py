@@ -327,7 +327,6 @@ class _Completion:
 
     def __init__(self, state: ServerState, body: _Common, chat: bool) -> None:
         self.state = state
-        self.body = body
         self.chat = chat
         self.id = _new_id("chatcmpl" if chat else "cmpl")
         self.created = int(time.time())
@@ -391,6 +390,9 @@ class _Completion:
 
     def _start_followers(self, group: _Group) -> None:
         for choice in group.choices[1:]:
+            if self.closed:  # the client is gone: end them unstarted
+                self.queue.put_nowait((choice, RequestDelta("", [], "", finish_reason="abort")))
+                continue
             try:
                 self._start(choice)
             except (EngineStoppedError, ValueError) as exc:
@@ -398,12 +400,11 @@ class _Completion:
                                                             error=str(exc))))
 
     async def _pump(self, choice: _Choice) -> None:
-        first = True
+        first = choice is choice.group.choices[0]
         async for delta in choice.stream:
-            if first and choice is choice.group.choices[0]:
+            if first:
                 first = False
-                if not self.closed:
-                    self._start_followers(choice.group)
+                self._start_followers(choice.group)
             self.queue.put_nowait((choice, delta))
 
     async def events(self) -> AsyncIterator[tuple[_Choice, RequestDelta]]:

@@ -1,4 +1,4 @@
-"""`POST /tokenize` and `POST /detokenize`, in vLLM's request and response shapes.
+"""`POST /tokenize`, `POST /detokenize` and `GET /tokenizer_info`, in vLLM's shapes.
 
 `/tokenize` takes either `prompt` (text; `add_special_tokens` default true, as completions
 encode it) or `messages` (the chat template applied as `/v1/chat/completions` applies it;
@@ -6,6 +6,8 @@ encode it) or `messages` (the chat template applied as `/v1/chat/completions` ap
 `{"count", "max_model_len", "tokens", "token_strs"}`; `token_strs` (the tokenizer's token
 spellings) only with `return_token_strs: true`, else null. `/detokenize` takes `tokens` and
 answers `{"prompt": text}`. `model` is optional; when given it must be the served model.
+`/tokenizer_info` describes the tokenizer (class, special tokens, chat template), enough for a
+client such as lm-evaluation-harness to tokenize through the server instead of loading it.
 """
 
 from __future__ import annotations
@@ -112,3 +114,13 @@ async def detokenize(request: Request) -> Response:
     except RequestError as exc:
         return _json(error_body(exc.message, exc.code, param=exc.param), exc.http_status)
     return _json({"prompt": tokenizer.decode(body.tokens)})
+
+
+async def tokenizer_info(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    tokenizer = state.engine.tokenizer
+    return _json({"tokenizer_class": type(tokenizer).__name__,
+                  "eos_token": tokenizer.eos_token, "bos_token": tokenizer.bos_token,
+                  "pad_token": tokenizer.pad_token, "unk_token": tokenizer.unk_token,
+                  "chat_template": tokenizer.chat_template,
+                  "model_max_length": state.limits.max_model_len})

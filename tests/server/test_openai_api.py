@@ -103,6 +103,19 @@ def test_n_in_chat_streaming(oai):
     assert [c.message.content for c in whole.choices] == [text[0], text[1]]
 
 
+def test_disconnect_cancels_every_sample(server):
+    finished_before = server.core.stats.num_finished
+    body = {"model": "tiny", "prompt": LONG_PROMPT, "max_tokens": 400, "n": 3, "stream": True,
+            "ignore_eos": True}
+    with httpx.Client(timeout=30) as client, \
+            client.stream("POST", f"{server.http}/v1/completions", json=body) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                break  # one chunk, then hang up
+    server.wait_idle()  # every sample's blocks are back (also those of unstarted ones)
+    assert server.core.stats.num_finished == finished_before
+
+
 def test_prompt_list_each_its_own_choice(oai, reference):
     prompts = ["def add(a, b):", "The quick brown", "héllo"]
     expected = reference.generate(prompts, SamplingParams(temperature=0, max_tokens=6,
@@ -183,6 +196,8 @@ def test_tokenize_and_detokenize(server, oai, reference):
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     r = _post(server, "/tokenize", {"prompt": "x", "messages": MESSAGES})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    info = httpx.get(f"{server.http}/tokenizer_info", timeout=10).json()
+    assert info["eos_token"] == tok.eos_token and info["chat_template"] == tok.chat_template
 
 
 def _refused(call, param: str, code: str = "invalid_field") -> None:
