@@ -248,6 +248,7 @@ class EngineCore:
         # One host transfer for every greedy request's argmax.
         argmax = iter(torch.cat(greedy_rows).argmax(-1).tolist() if greedy_rows else [])
         deltas = []
+        scored = []  # (request, its delta, verify logits rows of its committed tokens)
         now = time.monotonic()
         for item, seg, lg, hid in zip(scheduled, segments, logits, hidden):
             req = item.request
@@ -265,9 +266,15 @@ class EngineCore:
             else:
                 verdict = verify_sampled(tree, process_logits(lg, req.params), req.generator)
             delta = self._commit(item, tree, verdict, now)
-            if req.logprobs is not None or req.prompt_logprobs is not None:
-                self._score_output(req, delta, tree, verdict, lg)
+            if req.logprobs is not None:
+                # Each committed token is scored from its parent's row: root, accepted nodes.
+                scored.append((req, delta, lg[([0] + verdict.accepted)[:len(delta.token_ids)]]))
+            if req.prompt_logprobs is not None and \
+                    len(req.output_token_ids) == len(delta.token_ids):  # the first delta
+                delta.prompt_logprobs = req.prompt_logprobs
             deltas.append(delta)
+        if scored:
+            self._score_outputs(scored)
         return deltas
 
     def _score_prompt(self, req: Request, seg: Segment, hidden: torch.Tensor) -> None:
@@ -277,16 +284,15 @@ class EngineCore:
         req.prompt_logprobs += chunked_token_logprobs(hidden, targets, req.params.prompt_logprobs,
                                                       self.runner.logits)
 
-    def _score_output(self, req: Request, delta: RequestDelta, tree: TokenTree,
-                      verdict: Verdict, logits: torch.Tensor) -> None:
-        """Logprobs of the committed tokens, each from its parent's row of the verify logits
-        (root, then the accepted nodes); the prompt's ride on the request's first delta."""
-        if req.logprobs is not None:
-            rows = ([0] + verdict.accepted)[:len(delta.token_ids)]
-            delta.logprobs = token_logprobs(logits[rows], delta.token_ids, req.params.logprobs)
+    def _score_outputs(self, scored: list[tuple[Request, RequestDelta, torch.Tensor]]) -> None:
+        """Log-probabilities of every token committed this step, in one call."""
+        rows = torch.cat([lg for _, _, lg in scored])  # [committed tokens, V]
+        token_ids = [t for _, delta, _ in scored for t in delta.token_ids]
+        counts = [req.params.logprobs for req, delta, _ in scored for _ in delta.token_ids]
+        logprobs = iter(token_logprobs(rows, token_ids, counts))
+        for req, delta, _ in scored:
+            delta.logprobs = [next(logprobs) for _ in delta.token_ids]
             req.logprobs += delta.logprobs
-        if req.prompt_logprobs is not None and len(req.output_token_ids) == len(delta.token_ids):
-            delta.prompt_logprobs = req.prompt_logprobs
 
     def _commit(self, item: ScheduledRequest, tree: TokenTree, verdict: Verdict,
                 now: float) -> RequestDelta:

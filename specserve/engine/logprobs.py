@@ -26,18 +26,22 @@ CHUNK_ROWS = 256  # rows of [rows, vocab] logits held at once for prompt log-pro
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int],
-                   num_top: int) -> list[TokenLogprob]:
-    """logits [k, V] (row i predicts token_ids[i]) -> k TokenLogprobs with num_top alternatives."""
+                   num_top: int | Sequence[int]) -> list[TokenLogprob]:
+    """logits [k, V] (row i predicts token_ids[i]) -> k TokenLogprobs, each with `num_top`
+    alternatives (one count for all rows, or one per row: a step scores every request's
+    tokens in one call, with one host transfer)."""
+    counts = [num_top] * len(token_ids) if isinstance(num_top, int) else list(num_top)
     logprobs = torch.log_softmax(logits.float(), dim=-1)  # [k, V]
     ids = torch.tensor(list(token_ids), dtype=torch.long, device=logits.device)
     chosen = logprobs.gather(1, ids[:, None])[:, 0].tolist()  # [k]
-    if num_top:
-        top = logprobs.topk(num_top, dim=-1)  # [k, num_top]
+    most = max(counts, default=0)
+    if most:
+        top = logprobs.topk(most, dim=-1)  # [k, most]
         top_ids, top_values = top.indices.tolist(), top.values.tolist()
     else:
         top_ids = top_values = [[] for _ in chosen]
-    return [TokenLogprob(t, v, list(zip(i, tv)))
-            for t, v, i, tv in zip(token_ids, chosen, top_ids, top_values)]
+    return [TokenLogprob(t, v, list(zip(i[:c], tv[:c])))
+            for t, v, i, tv, c in zip(token_ids, chosen, top_ids, top_values, counts)]
 
 
 def chunked_token_logprobs(hidden: torch.Tensor, token_ids: Sequence[int], num_top: int,

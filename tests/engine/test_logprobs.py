@@ -52,6 +52,11 @@ def test_chunked_equals_whole():
         assert [t for t, _ in a.top] == [t for t, _ in b.top]
     assert whole[0].logprob == pytest.approx(
         torch.log_softmax(hidden[0] @ head, -1)[targets[0]].item(), abs=1e-6)
+    # One call for a whole step: each row with its own request's count.
+    counts = [0, 1, 4, 2, 0, 3, 1, 1, 4, 0, 2]
+    per_row = token_logprobs(hidden @ head, targets, counts)
+    assert [len(lp.top) for lp in per_row] == counts
+    assert all(lp.top == w.top[:c] for lp, w, c in zip(per_row, whole, counts))
 
 
 @pytest.mark.parametrize("speculation", ["off", "chain:4", "tree:12", "ngram:3"])
