@@ -19,9 +19,9 @@ At N = 1 both runs do the same work, so that row's speedup shows the measurement
 
 The scheduler's own cost comes from the engine's counters (`engine.stats`), differenced around
 each run: `schedule_time_s / num_steps` in microseconds, and its share of step time (schedule +
-draft + target forward + accept). Prefix caching is off by default (`--prefix-caching` turns it
-on), so whichever run goes second does not reuse the first run's prompt KV. Repeats alternate
-which run goes first; the table shows the median.
+draft + target forward + verify + commit). Prefix caching is off by default (`--prefix-caching`
+turns it on), so whichever run goes second does not reuse the first run's prompt KV. Repeats
+alternate which run goes first; the table shows the median.
 """
 
 from __future__ import annotations
@@ -69,7 +69,8 @@ def demo_prompts(n: int) -> list[str]:
     return prompts
 
 
-_FIELDS = ("num_steps", "schedule_time_s", "draft_time_s", "verify_time_s", "accept_time_s")
+_FIELDS = ("num_steps", "schedule_time_s", "draft_time_s", "target_forward_time_s",
+           "verify_time_s", "commit_time_s")
 
 
 @dataclass
@@ -81,8 +82,9 @@ class RunStats:
     num_steps: int
     schedule_time_s: float
     draft_time_s: float
-    verify_time_s: float  # target forwards
-    accept_time_s: float
+    target_forward_time_s: float
+    verify_time_s: float
+    commit_time_s: float
 
     @property
     def tokens_per_s(self) -> float:
@@ -90,7 +92,8 @@ class RunStats:
 
     @property
     def step_time_s(self) -> float:
-        return self.schedule_time_s + self.draft_time_s + self.verify_time_s + self.accept_time_s
+        return (self.schedule_time_s + self.draft_time_s + self.target_forward_time_s
+                + self.verify_time_s + self.commit_time_s)
 
     @property
     def schedule_us_per_step(self) -> float:
@@ -188,16 +191,17 @@ def format_rows(rows: list[Row]) -> str:
         lines.append(f"{row.concurrency:3d} {row.concurrent.output_tokens:7d} | {cells[0]} | "
                      f"{cells[1]} | {row.speedup:6.2f}x {eq:>5}")
     lines.append("tok/s: aggregate output tokens per wall second; ms/step: engine step time "
-                 "(schedule + draft + target forward + accept) per step; sched: scheduler time "
-                 "per step and its share of step time")
+                 "(schedule + draft + target forward + verify + commit) per step; sched: "
+                 "scheduler time per step and its share of step time")
     breakdown = []
     for row in rows:
         c = row.concurrent
         steps = max(1, c.num_steps)
         breakdown.append(f"  N={row.concurrency:<3d} schedule {1e3 * c.schedule_time_s / steps:.3f}"
                          f"  draft {1e3 * c.draft_time_s / steps:.3f}"
-                         f"  forward {1e3 * c.verify_time_s / steps:.3f}"
-                         f"  accept {1e3 * c.accept_time_s / steps:.3f} ms/step;"
+                         f"  forward {1e3 * c.target_forward_time_s / steps:.3f}"
+                         f"  verify {1e3 * c.verify_time_s / steps:.3f}"
+                         f"  commit {1e3 * c.commit_time_s / steps:.3f} ms/step;"
                          f"  outside steps {100 * (1 - c.step_time_s / c.wall_s):.1f}% of wall")
     for row in rows:
         if row.differences:

@@ -32,7 +32,7 @@ token, is left out, as in specserve's ``acceptance_length``; assisted generation
 from its first forward on, so all its forwards count; transformers rows count target forwards
 with a hook). The profile table
 splits specserve's time per generated token (prefill included; each prompt's best round) into
-the engine's stages (``EngineStats``): draft, verify (target forward), schedule, accept
+the engine's stages (``EngineStats``): draft, target forward, verify, schedule, commit
 (verification, KV moves, commits) and other (the ``generate`` loop outside ``step``). The
 roofline line (see ``bench/roofline.py``) compares the no-speculation decode speed with the
 memory bandwidth measured in this process with the same threads.
@@ -72,7 +72,7 @@ from specserve.model.loader import load_tokenizer
 HF_GREEDY = "transformers greedy"
 HF_ASSISTED = "transformers assisted"
 SPEC_MODES = ("off", "chain:2", "chain:4", "chain:6", "tree:12", "tree")
-STAGES = ("draft", "verify", "schedule", "accept")  # EngineStats.<stage>_time_s
+STAGES = ("draft", "target_forward", "verify", "schedule", "commit")  # EngineStats.<stage>_time_s
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 

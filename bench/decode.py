@@ -122,8 +122,8 @@ class Run:
         return (len(self.stamps) - 1) / (self.stamps[-1] - self.stamps[0])
 
 
-_STEP_FIELDS = ("num_steps", "schedule_time_s", "draft_time_s", "verify_time_s",
-                "accept_time_s")
+_STEP_FIELDS = ("num_steps", "schedule_time_s", "draft_time_s", "target_forward_time_s",
+                "verify_time_s", "commit_time_s")
 
 
 def _stats_snapshot(engine) -> dict[str, float]:
@@ -226,7 +226,7 @@ class DecodeResult:
     weight_bytes: int
     read_bandwidth_bytes_s: float
     cpu_bf16_kernel: bool | None  # specserve's AVX-512 BF16 linear in use (None: not built in)
-    # specserve per decode step, averaged: scheduler, target forward, accept, draft (seconds)
+    # specserve per decode step, averaged: scheduler, draft, target forward, verify, commit (s)
     step_time_s: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -304,7 +304,8 @@ def run_decode(model_dir: Path, prompt_tokens: int = 32, new_tokens: int = 64, r
         weight_bytes=weight_bytes(model_dir, torch_dtype), read_bandwidth_bytes_s=bandwidth,
         cpu_bf16_kernel=_cpu_bf16_kernel() if torch_dtype == torch.bfloat16 else False,
         step_time_s={name: step_stats.get(f"{name}_time_s", 0.0) / steps
-                     for name in ("schedule", "draft", "verify", "accept")},
+                     for name in ("schedule", "draft", "target_forward", "verify",
+                                  "commit")},
     )
 
 

@@ -4,7 +4,6 @@
     python -m bench.serve --backend openai --request-rate 2 --duration 60 --seed 1
     python -m bench.serve --sweep 1,4,16,32 --num-requests 64 --result-json out/sweep.json
     python -m bench.serve --prompts chats.jsonl --ignore-eos --goodput ttft_ms=500,tpot_ms=50
-    specserve bench --concurrency 8          # the same program, run from the repository root
 
 Backends. `ws` (the default) speaks the `specserve.v1` WebSocket protocol (docs/PROTOCOL.md)
 with one request at a time per socket; sockets are pooled and reused, and a run at concurrency
@@ -810,7 +809,7 @@ async def main(argv: Sequence[str] | argparse.Namespace | None = None) -> dict:
 
 
 def run(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
-    """The command line: `python -m bench.serve ...` and `specserve bench ...`."""
+    """The command line: `python -m bench.serve ...` (from the repository root)."""
     args = build_parser(prog).parse_args(argv)
     try:
         asyncio.run(main(args))

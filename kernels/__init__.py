@@ -1,7 +1,7 @@
 """Paged-KV attention and KV-cache kernels: one entry point per operation.
 
 Every function takes `impl`:
-  "auto"       Triton on CUDA tensors; on CPU the AVX-512 BF16 C kernels where they apply
+  "auto"       Triton on CUDA tensors; on CPU the C kernels (cpu_build.py) where they apply
                (paged_attention on bf16, see cpu_attention.py), the PyTorch reference otherwise.
   "triton"     the Triton kernels; CPU tensors need TRITON_INTERPRET=1 (Triton's interpreter,
                read at each launch, so tests can switch it per test).
@@ -10,8 +10,9 @@ Every function takes `impl`:
 
 The Triton modules are imported on first use, so CPU-only code never needs Triton.
 
-`linear` is the model's matmul: on CPU with bf16 weights and few rows it runs the AVX-512 BF16
-kernel of `cpu_linear.py` (its reference: `F.linear`), everywhere else `F.linear` itself.
+`linear` is the model's matmul: on CPU with bf16 weights and few rows it runs the C kernel of
+`cpu_linear.py` (its reference: `F.linear`), everywhere else `F.linear` itself. The CPU path
+(avx512, avx2, portable C or torch) is chosen by `SPECSERVE_CPU_ISA`; see cpu_build.py.
 """
 
 from __future__ import annotations

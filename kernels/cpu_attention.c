@@ -1,4 +1,4 @@
-/* Paged attention on x86 CPUs with AVX-512 BF16: decode tokens, token trees, prompt chunks.
+/* Paged attention on CPU: decode tokens, token trees, prompt chunks (any ISA, cpu_simd.h).
  *
  * The same contract as paged_attention_reference (reference.py): query row t of request b
  * (local index i) attends to the request's cached positions [0, context_lens[b]) and to new
@@ -9,27 +9,25 @@
  * the output is rounded to bf16 as the reference's `.to(q.dtype)` does. Masked positions are
  * never read.
  *
+ * A query row's result depends only on its own visible positions, read in position order, so
+ * it is the same whatever other rows share the call (row-count invariance): a chain's last row
+ * verified with its draft equals the same token decoded alone over the same cache.
+ *
  * One work item is one (query row, query head); on CPU a step's attention is small next to its
  * matmuls, and what the PyTorch reference costs there is per-op overhead (~0.2 ms per layer for
  * one decode token), which this removes.
  */
-#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 
-static inline __m512 load16_bf16_as_fp32(const uint16_t *p) {
-    /* bf16 -> fp32 is a 16-bit left shift of the bit pattern. */
-    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
+#include "cpu_simd.h"
 
 /* q.k in fp32 with IEEE products (VDPBF16PS would flush denormals and round differently). */
 static inline float dot_bf16(const uint16_t *a, const uint16_t *b, int64_t D) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t d = 0; d < D; d += 16)
-        acc = _mm512_fmadd_ps(load16_bf16_as_fp32(a + d), load16_bf16_as_fp32(b + d), acc);
-    return _mm512_reduce_add_ps(acc);
+    vf acc = vf_zero();
+    for (int64_t d = 0; d < D; d += VF) acc = vf_fmadd(vf_load_bf16(a + d), vf_load_bf16(b + d), acc);
+    return vf_reduce_add(acc);
 }
 
 /* Returns 0, or -1 when a scratch buffer could not be allocated. */
@@ -91,15 +89,15 @@ int paged_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uint1
             const float inv_total = 1.0f / total;
             for (int64_t s = 0; s < n; s++) scores[s] *= inv_total;
 
-            /* Weighted sum of V, 16 dims at a time (head_dim is a multiple of 16). */
+            /* Weighted sum of V, VF dims at a time (head_dim is a multiple of 16). */
             uint16_t *o = out + (t * num_q_heads + h) * D;
-            for (int64_t d = 0; d < D; d += 16) {
-                __m512 acc = _mm512_setzero_ps();
+            for (int64_t d = 0; d < D; d += VF) {
+                vf acc = vf_zero();
                 for (int64_t s = 0; s < n; s++) {
                     const uint16_t *vv = v_cache + (slots[s] * num_kv_heads + kv_head) * D;
-                    acc = _mm512_fmadd_ps(_mm512_set1_ps(scores[s]), load16_bf16_as_fp32(vv + d), acc);
+                    acc = vf_fmadd(vf_set1(scores[s]), vf_load_bf16(vv + d), acc);
                 }
-                _mm256_storeu_si256((__m256i *)(o + d), (__m256i)_mm512_cvtneps_pbh(acc));
+                vf_store_bf16(o + d, acc);
             }
         }
         free(scores);

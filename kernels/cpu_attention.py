@@ -1,4 +1,4 @@
-"""Paged attention on CPU through the C kernel in `cpu_attention.c` (AVX-512 BF16).
+"""Paged attention on CPU through the C kernel in `cpu_attention.c` (any ISA of cpu_build).
 
 Same arguments and result as `paged_attention_reference`, for bf16 queries and caches; the
 dispatcher in `__init__.py` sends CPU bf16 calls here when the kernel library is built.
@@ -14,7 +14,7 @@ from .cpu_build import library
 def unsupported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> str | None:
     """Why the C kernel cannot take these inputs, or None when it can."""
     if library() is None:
-        return "the AVX-512 BF16 CPU kernels are not available on this machine"
+        return "no CPU kernel library (SPECSERVE_CPU_ISA=torch or no C compiler)"
     if not all(t.device.type == "cpu" for t in (q, k_cache, v_cache)):
         return "the CPU kernel takes CPU tensors"
     if not q.dtype == k_cache.dtype == v_cache.dtype == torch.bfloat16:

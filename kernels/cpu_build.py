@@ -1,10 +1,35 @@
-"""Build and load the C kernels for x86 CPUs with AVX-512 BF16 (`cpu_*.c` in this folder).
+"""Build and load the C kernels for x86 CPUs, one library per instruction set (ISA).
 
-They are compiled once per machine with the system C compiler into a cache folder and loaded
-with ctypes: no build step at install time, and the `.so` links the same OpenMP runtime torch
-has already loaded (same soname), so the two share one thread pool. `library()` is None where
-they cannot run (another CPU, no compiler, a failed build, SPECSERVE_CPU_KERNELS=0); callers then
-take their PyTorch path, which is also the reference the tests compare against.
+The kernels are compiled once per machine with the system C compiler into a cache folder and
+loaded with ctypes: no build step at install time, and the `.so` links the same OpenMP runtime
+torch has already loaded (same soname), so the two share one thread pool. Kernels that use
+threads take `num_threads` from the caller, who passes `torch.get_num_threads()`.
+
+ISA paths (`SPECSERVE_CPU_ISA`, default: the best this CPU supports, from /proc/cpuinfo):
+  avx512    AVX-512 F/BW/VL + BF16 (VDPBF16PS products)
+  avx2      AVX2 + FMA (bf16 widened to fp32 by shifts, fp32 FMAs)
+  portable  plain C with GCC/Clang vector extensions, no -m flags (any CPU)
+  torch     no C kernels: `library()` is None and every caller takes its PyTorch path, which is
+            also the reference the tests compare against.
+Forcing a path the CPU cannot run is an error (RuntimeError at `library()`), so an AVX-512
+machine can test and benchmark every path and an AVX2 one refuses avx512 loudly. A failed build
+(no compiler, compiler error) logs a warning and falls back to torch.
+
+Convention for kernel sources (how a new kernel joins the build):
+- Each kernel is one `cpu_<name>.c` file in this folder, listed in `KERNELS` below with the
+  ctypes signatures of the functions it exports: `{"cpu_<name>.c": {"fn": ([argtypes], restype)}}`.
+  All listed files are compiled together into one library per ISA; `library()` returns it with
+  every listed function's argtypes/restype set.
+- One source of truth per kernel: the C file is written once, against the per-ISA vector
+  primitives of `cpu_simd.h` (fp32 vectors `vf_*`, bf16 dot-product steps `dot_*`). The build
+  defines exactly one of SPECSERVE_ISA_AVX512 / SPECSERVE_ISA_AVX2 / SPECSERVE_ISA_PORTABLE
+  (and the matching -m flags); code that must differ per ISA (an inner loop only) goes under
+  `#if` on those macros, with a branch for each of the three.
+- Every `cpu_*.h` header in this folder is part of the cache key; exported names are
+  `snake_case` and unique across files; no FMA contraction (-ffp-contract=off), so elementwise
+  kernels round like the PyTorch ops they replace (fused multiply-adds are written explicitly).
+- The cache key is the compiler, the ISA's flags and every source and header, so editing a
+  kernel or switching ISA never loads a stale library.
 """
 
 from __future__ import annotations
@@ -21,67 +46,133 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name)
-           for name in ("cpu_gemv.c", "cpu_attention.c", "cpu_norm_rope.c")]
-HEADER = Path(__file__).with_name("cpu_bf16.h")  # included by the sources
-# No FMA contraction: the elementwise kernels round like the PyTorch ops they replace.
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-ffp-contract=off",
-         "-fopenmp", "-shared", "-fPIC"]
+HERE = Path(__file__).parent
 
 _p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-SIGNATURES = {
-    "gemv_bf16": ([_p] * 5 + [_i64] * 3 + [_i32], None),
-    "paged_attention_bf16": ([_p] * 3 + [_p, _i64] + [_p] * 3 + [_i64] * 6 + [_f32, _p, _i32],
-                             ctypes.c_int),
-    "rms_norm_bf16": ([_p] * 3 + [_i64] * 2 + [_f32], None),
-    "rotary_bf16": ([_p] + [_i64] * 4 + [_p] * 2 + [_i64, _p], ctypes.c_int),
+Signature = tuple[list, object]  # (argtypes, restype)
+
+# Source file -> the functions it exports and their ctypes signatures.
+KERNELS: dict[str, dict[str, Signature]] = {
+    "cpu_gemv.c": {
+        "gemv_bf16": ([_p] * 5 + [_i64] * 3 + [_i32], None),
+    },
+    "cpu_attention.c": {
+        "paged_attention_bf16": (
+            [_p] * 3 + [_p, _i64] + [_p] * 3 + [_i64] * 6 + [_f32, _p, _i32], ctypes.c_int),
+    },
+    "cpu_norm_rope.c": {
+        "rms_norm_bf16": ([_p] * 3 + [_i64] * 2 + [_f32], None),
+        "rotary_bf16": ([_p] + [_i64] * 4 + [_p] * 2 + [_i64, _p], ctypes.c_int),
+    },
 }
+
+# Best first. `required` are /proc/cpuinfo flag names.
+ISA_FLAGS: dict[str, list[str]] = {
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx2", "-mfma",
+               "-DSPECSERVE_ISA_AVX512"],
+    "avx2": ["-mavx2", "-mfma", "-DSPECSERVE_ISA_AVX2"],
+    "portable": ["-DSPECSERVE_ISA_PORTABLE"],
+}
+ISA_REQUIRES: dict[str, set[str]] = {
+    "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx2", "fma"},
+    "avx2": {"avx2", "fma"},
+    "portable": set(),
+}
+ISAS = (*ISA_FLAGS, "torch")
+COMMON_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
+
+
+def supported_isas() -> list[str]:
+    """The C paths this CPU can run, best first (torch, always possible, not included)."""
+    flags = _cpu_flags()
+    return [isa for isa, needs in ISA_REQUIRES.items() if needs <= flags]
 
 
 @cache
+def selected_isa() -> str:
+    """SPECSERVE_CPU_ISA if set (checked), else the best C path this CPU supports."""
+    wanted = os.environ.get("SPECSERVE_CPU_ISA", "").strip().lower()
+    if not wanted or wanted == "auto":
+        return supported_isas()[0]
+    if wanted not in ISAS:
+        raise ValueError(f"SPECSERVE_CPU_ISA={wanted!r}: expected one of {', '.join(ISAS)}")
+    missing = ISA_REQUIRES.get(wanted, set()) - _cpu_flags()
+    if missing:
+        raise RuntimeError(f"SPECSERVE_CPU_ISA={wanted}: this CPU lacks "
+                           f"{', '.join(sorted(missing))}")
+    return wanted
+
+
 def library() -> ctypes.CDLL | None:
-    if os.environ.get("SPECSERVE_CPU_KERNELS", "1") == "0" or not _cpu_has_avx512_bf16():
+    """The kernel library of the selected ISA, or None (torch path)."""
+    return library_for(selected_isa())
+
+
+@cache
+def library_for(isa: str) -> ctypes.CDLL | None:
+    """The kernel library built for `isa` (one of ISAS), or None for torch or a failed build."""
+    if isa not in ISAS:
+        raise ValueError(f"unknown ISA {isa!r}: expected one of {', '.join(ISAS)}")
+    if isa == "torch":
         return None
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         log.warning("no C compiler (set CC): the CPU kernels fall back to PyTorch")
         return None
     try:
-        lib = ctypes.CDLL(str(_build(compiler)))
-    except (OSError, RuntimeError, KeyError, subprocess.CalledProcessError) as exc:
+        lib = ctypes.CDLL(str(build(compiler, isa)))
+    except (OSError, RuntimeError, AttributeError, subprocess.CalledProcessError) as exc:
         detail = getattr(exc, "stderr", b"") or b""
-        log.warning("building the CPU kernels failed (%s %s): using PyTorch", exc,
+        log.warning("building the %s CPU kernels failed (%s %s): using PyTorch", isa, exc,
                     detail.decode(errors="replace")[-500:])
         return None
-    for name, (argtypes, restype) in SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = argtypes, restype
+    for functions in KERNELS.values():
+        for name, (argtypes, restype) in functions.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, restype
     return lib
 
 
-def _build(compiler: str) -> Path:
-    """Compile once per sources, flags and compiler; concurrent builders each rename atomically."""
-    digest = hashlib.sha256(" ".join([compiler, *FLAGS]).encode())
-    for source in [*SOURCES, HEADER]:
+def sources() -> list[Path]:
+    return [HERE / name for name in KERNELS]
+
+
+def headers() -> list[Path]:
+    return sorted(HERE.glob("cpu_*.h"))
+
+
+def compile_command(compiler: str, isa: str, output: Path) -> list[str]:
+    return [compiler, *COMMON_FLAGS, *ISA_FLAGS[isa], *map(str, sources()), "-lm", "-o",
+            str(output)]
+
+
+def build(compiler: str, isa: str) -> Path:
+    """Compile once per ISA, flags, compiler and sources; concurrent builders rename atomically."""
+    digest = hashlib.sha256(" ".join([compiler, isa, *COMMON_FLAGS, *ISA_FLAGS[isa]]).encode())
+    for source in [*sources(), *headers()]:
+        digest.update(source.name.encode())
         digest.update(source.read_bytes())
     # An unset or empty XDG_CACHE_HOME means ~/.cache (Path.home() raises without a home).
     cache_root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    target = cache_root / "specserve" / "cpu_kernels" / f"kernels-{digest.hexdigest()[:16]}.so"
+    target = (cache_root / "specserve" / "cpu_kernels"
+              / f"kernels-{isa}-{digest.hexdigest()[:16]}.so")
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-lm", "-o", str(built)],
-                       check=True, capture_output=True)
+        subprocess.run(compile_command(compiler, isa, built), check=True, capture_output=True)
         os.replace(built, target)
     return target
 
 
-def _cpu_has_avx512_bf16() -> bool:
+@cache
+def _cpu_flags() -> frozenset[str]:
     try:
         cpuinfo = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
-    return any(line.startswith("flags") and "avx512_bf16" in line.split()
-               for line in cpuinfo.splitlines())
+        return frozenset()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.partition(":")[2].split())
+    return frozenset()

@@ -1,36 +1,50 @@
-/* bf16 matrix-vector products for decode on x86 CPUs with AVX-512 BF16.
+/* bf16 matrix-vector products for decode and verify steps (a few activation rows) on CPU.
  *
  * y[m, n] = sum_k x[m, k] * w[n, k]   (x [M, K] bf16, w [N, K] bf16 row-major, y [M, N] fp32)
  *
  * At decode a step has a few rows (one token, a chain or a small tree of draft tokens), so the
  * product is bound by reading w once. Threads split w into contiguous blocks of NR rows; for
- * each chunk of up to MR_MAX activation rows (balanced: 5 rows run as one chunk, 7 as 4 + 3) a
- * micro-kernel walks K with VDPBF16PS (bf16 pairs multiplied, accumulated in fp32), keeping
- * MR x NR x U accumulators in registers (U: independent accumulators per output, to hide the
- * instruction's latency). K tails use masked loads.
+ * each chunk of up to MR activation rows (balanced: 5 rows with MR 3 run as 3 + 2) a
+ * micro-kernel walks K in dot steps (cpu_simd.h), keeping MR x NR x DOT_U accumulators in
+ * registers (DOT_U: independent accumulators per output, to hide the multiply-add latency).
  *
- * Two shapes, measured on a 2-core AVX-512 BF16 machine:
+ * Row-count invariance: every output element is summed in the same order whatever M, NR or MR
+ * are (k steps dealt round-robin to DOT_U accumulators, leftover whole steps and the K tail to
+ * the first, then the accumulators added in order), so a row's results are bit-identical
+ * whether it is computed alone or among other rows. The order depends only on K and the ISA.
+ *
+ * Two shapes:
  * - one or two activation rows, or up to SEQUENTIAL_ROWS rows of fewer than WIDE_K features:
  *   NR = 1, so each thread reads w as one sequential stream (about twice the bandwidth of
- *   interleaving several rows' streams);
- * - otherwise NR = 4, so each activation vector loaded feeds 4 weight rows: with many rows the
- *   product is compute-bound, and with wide rows (an MLP down projection, K = 4096) the
- *   activations no longer fit in L1, so reading them once per weight row would double the
- *   time (5 rows x 4096: 31 -> 17 ms per 400 MB of weights).
+ *   interleaving several rows' streams, measured on AVX-512);
+ * - otherwise NR = WIDE_NR, so each activation chunk loaded feeds several weight rows: with wide
+ *   rows (an MLP down projection, K = 4096) the activations no longer fit in L1, so reading
+ *   them once per weight row would double the time (AVX-512, 5 rows x 4096: 31 -> 17 ms per
+ *   400 MB of weights).
  *
- * The micro-kernel is always inlined with constant MR, NR and U, so the compiler unrolls its
- * loops and keeps every accumulator in a register (with run-time sizes it spills them).
+ * The micro-kernel is always inlined with constant MR, NR and DOT_U, so the compiler unrolls
+ * its loops and keeps every accumulator in a register (with run-time sizes it spills them).
  *
  * Results are written in fp32, or in bf16 with the bias added (the layer output in one pass).
  *
  * Built and loaded by cpu_build.py; its PyTorch reference is F.linear in fp32.
  */
-#include <immintrin.h>
 #include <stdint.h>
 
-#include "cpu_bf16.h"
+#include "cpu_simd.h"
 
-#define MR_MAX 6
+/* Register budgets: AVX-512 has 32 vector registers, AVX2 16 (and an AVX2 dot_acc is two). */
+#if defined(SPECSERVE_ISA_AVX512)
+#define DOT_U 2
+#define WIDE_NR 4
+#define MR_NARROW 6 /* MR with NR = 1 */
+#define MR_WIDE 3   /* MR with NR = WIDE_NR */
+#else
+#define DOT_U 1
+#define WIDE_NR 2
+#define MR_NARROW 4
+#define MR_WIDE 2
+#endif
 #define SEQUENTIAL_ROWS 8
 #define WIDE_K 2048
 
@@ -57,71 +71,70 @@ static inline void store(Output o, int64_t y_index, int64_t column, float value)
 }
 
 static inline __attribute__((always_inline)) void micro_kernel(
-    const int MR, const int NR, const int U, const uint16_t *x, const uint16_t *w, Output y,
-    int64_t N, int64_t K) {
-    __m512 acc[MR_MAX][4][2];
+    const int MR, const int NR, const uint16_t *x, const uint16_t *w, Output y, int64_t N,
+    int64_t K) {
+    dot_acc acc[6][WIDE_NR][DOT_U]; /* MR <= 6 */
 #pragma GCC unroll 8
     for (int i = 0; i < MR; i++)
 #pragma GCC unroll 8
         for (int r = 0; r < NR; r++)
 #pragma GCC unroll 8
-            for (int u = 0; u < U; u++) acc[i][r][u] = _mm512_setzero_ps();
+            for (int u = 0; u < DOT_U; u++) acc[i][r][u] = dot_zero();
     int64_t k = 0;
-    for (; k + 32 * U <= K; k += 32 * U) {
+    for (; k + DOT_K * DOT_U <= K; k += DOT_K * DOT_U) {
 #pragma GCC unroll 8
-        for (int u = 0; u < U; u++) {
-            __m512bh wv[4];
+        for (int u = 0; u < DOT_U; u++) {
+            dot_vec wv[WIDE_NR];
 #pragma GCC unroll 8
-            for (int r = 0; r < NR; r++)
-                wv[r] = (__m512bh)_mm512_loadu_si512(w + r * K + k + 32 * u);
+            for (int r = 0; r < NR; r++) wv[r] = dot_load(w + r * K + k + DOT_K * u);
 #pragma GCC unroll 8
             for (int i = 0; i < MR; i++) {
-                const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + i * K + k + 32 * u);
+                const dot_vec xv = dot_load(x + i * K + k + DOT_K * u);
 #pragma GCC unroll 8
-                for (int r = 0; r < NR; r++)
-                    acc[i][r][u] = _mm512_dpbf16_ps(acc[i][r][u], xv, wv[r]);
+                for (int r = 0; r < NR; r++) acc[i][r][u] = dot_step(acc[i][r][u], xv, wv[r]);
             }
         }
     }
-    for (; k < K; k += 32) {
-        const __mmask32 mask =
-            K - k >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << (K - k)) - 1u);
-        __m512bh wv[4];
+    for (; k < K; k += DOT_K) { /* leftover whole steps, then the tail, into accumulator 0 */
+        const int64_t n = K - k < DOT_K ? K - k : DOT_K;
+        dot_vec wv[WIDE_NR];
 #pragma GCC unroll 8
         for (int r = 0; r < NR; r++)
-            wv[r] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + r * K + k);
+            wv[r] = n == DOT_K ? dot_load(w + r * K + k) : dot_load_tail(w + r * K + k, n);
 #pragma GCC unroll 8
         for (int i = 0; i < MR; i++) {
-            const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + i * K + k);
+            const dot_vec xv = n == DOT_K ? dot_load(x + i * K + k) : dot_load_tail(x + i * K + k, n);
 #pragma GCC unroll 8
-            for (int r = 0; r < NR; r++) acc[i][r][0] = _mm512_dpbf16_ps(acc[i][r][0], xv, wv[r]);
+            for (int r = 0; r < NR; r++) acc[i][r][0] = dot_step(acc[i][r][0], xv, wv[r]);
         }
     }
 #pragma GCC unroll 8
     for (int i = 0; i < MR; i++)
 #pragma GCC unroll 8
         for (int r = 0; r < NR; r++) {
+            dot_acc total = acc[i][r][0];
 #pragma GCC unroll 8
-            for (int u = 1; u < U; u++) acc[i][r][0] = _mm512_add_ps(acc[i][r][0], acc[i][r][u]);
-            store(y, i * N + r, r, _mm512_reduce_add_ps(acc[i][r][0]));
+            for (int u = 1; u < DOT_U; u++) total = dot_add(total, acc[i][r][u]);
+            store(y, i * N + r, r, dot_sum(total));
         }
 }
 
-/* One activation chunk of mr rows against nr weight rows (nr == NR, or a ragged last block). */
-#define DISPATCH_MR(NR, U)                                                 \
-    switch (mr) {                                                          \
-        case 1: micro_kernel(1, NR, U, xs, ws, ys, N, K); break;           \
-        case 2: micro_kernel(2, NR, U, xs, ws, ys, N, K); break;           \
-        case 3: micro_kernel(3, NR, U, xs, ws, ys, N, K); break;           \
-        case 4: micro_kernel(4, NR, U, xs, ws, ys, N, K); break;           \
-        case 5: micro_kernel(5, NR, U, xs, ws, ys, N, K); break;           \
-        default: micro_kernel(6, NR, U, xs, ws, ys, N, K); break;          \
+/* One activation chunk of mr rows against NR weight rows (mr never exceeds the MR of NR). */
+#define DISPATCH_MR(NR)                                             \
+    switch (mr) {                                                   \
+        case 1: micro_kernel(1, NR, xs, ws, ys, N, K); break;       \
+        case 2: micro_kernel(2, NR, xs, ws, ys, N, K); break;       \
+        case 3: micro_kernel(3, NR, xs, ws, ys, N, K); break;       \
+        case 4: micro_kernel(4, NR, xs, ws, ys, N, K); break;       \
+        case 5: micro_kernel(5, NR, xs, ws, ys, N, K); break;       \
+        default: micro_kernel(6, NR, xs, ws, ys, N, K); break;      \
     }
 
-/* Weight rows [n0, n0 + nr) against every row of x, in balanced chunks of at most MR_MAX. */
+/* Weight rows [n0, n0 + nr) against every row of x, in balanced chunks of at most mr_max. */
 static void weight_block(const uint16_t *x, const uint16_t *w, Output y, int64_t M, int64_t N,
                          int64_t K, int64_t n0, int nr, int block_rows) {
-    const int64_t chunks = (M + MR_MAX - 1) / MR_MAX;
+    const int mr_max = block_rows == 1 ? MR_NARROW : MR_WIDE;
+    const int64_t chunks = (M + mr_max - 1) / mr_max;
     int64_t m0 = 0;
     for (int64_t c = 0; c < chunks; c++) {
         const int64_t left = M - m0, parts = chunks - c;
@@ -130,11 +143,11 @@ static void weight_block(const uint16_t *x, const uint16_t *w, Output y, int64_t
         Output ys = output_at(y, m0 * N + n0, n0);
         m0 += mr;
         if (block_rows == 1) {
-            DISPATCH_MR(1, 2)
-        } else if (nr == 4) {
-            DISPATCH_MR(4, 1)
+            DISPATCH_MR(1)
+        } else if (nr == WIDE_NR) {
+            DISPATCH_MR(WIDE_NR)
         } else { /* ragged edge of w: one row at a time */
-            for (int r = 0; r < nr; r++, ws += K, ys = output_at(ys, 1, 1)) DISPATCH_MR(1, 2)
+            for (int r = 0; r < nr; r++, ws += K, ys = output_at(ys, 1, 1)) DISPATCH_MR(1)
         }
     }
 }
@@ -143,8 +156,7 @@ static void weight_block(const uint16_t *x, const uint16_t *w, Output y, int64_t
 void gemv_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, float *y_f32,
                uint16_t *y_bf16, int64_t M, int64_t N, int64_t K, int num_threads) {
     const Output y = {y_f32, y_bf16, bias};
-    const int block_rows =
-        M <= 2 || (M <= SEQUENTIAL_ROWS && K < WIDE_K) ? 1 : 4;
+    const int block_rows = M <= 2 || (M <= SEQUENTIAL_ROWS && K < WIDE_K) ? 1 : WIDE_NR;
     const int64_t num_blocks = (N + block_rows - 1) / block_rows;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t b = 0; b < num_blocks; b++) {

@@ -1,10 +1,15 @@
 """bf16 linear layers for few-row (decode and tree-verify) steps on CPU.
 
 At batch 1 a decode step is a chain of matrix-vector products whose cost is reading the
-weights, and torch's bf16 `F.linear` reads them at a fraction of the memory bandwidth. On x86
-CPUs with AVX-512 BF16, `linear` runs the C kernel in `cpu_gemv.c` (built by `cpu_build.py`)
+weights, and torch's bf16 `F.linear` reads them at a fraction of the memory bandwidth. On CPU
+`linear` runs the C kernel in `cpu_gemv.c` (built by `cpu_build.py` for the selected ISA)
 instead. Anything else (no kernel library, fp32 weights, many rows, CUDA tensors) takes
 `F.linear`, which is also the reference the tests compare against.
+
+Row-count invariance: on the C path a row's outputs are bit-identical alone or among up to
+MAX_ROWS rows (see cpu_gemv.c). `F.linear` promises no such thing: oneDNN picks its blocking
+and reduction order from the shape, so on the torch path a row's last bits may depend on how
+many rows share the call.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ def gemv_bf16(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [M, K] bf16, weight [N, K] bf16 -> x @ weight.T [M, N] in fp32 (the C kernel)."""
     lib = _library()
     if lib is None:
-        raise RuntimeError("the AVX-512 BF16 CPU kernel is not available on this machine")
+        raise RuntimeError("no CPU kernel library (SPECSERVE_CPU_ISA=torch or no C compiler)")
     x = x.contiguous()
     _check_features(x, weight)
     (m, k), n = x.shape, weight.shape[0]

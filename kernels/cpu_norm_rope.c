@@ -7,7 +7,6 @@
  * On CPU each of these is a handful of tiny tensor ops whose dispatch costs more than the
  * arithmetic (tens of microseconds per layer); here it is one pass over the row.
  */
-#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 

@@ -1,13 +1,13 @@
-"""The `specserve` command: `serve`, `generate`, `chat`, `bench`.
+"""The `specserve` command: `serve`, `generate`, `chat`.
 
     specserve serve [--target DIR] [--draft DIR] [--speculation S] [--port 8000] [--api-key K]
     specserve generate --prompt TEXT [--target DIR] [--max-tokens N] [--speculation S]
     specserve chat [--url ws://127.0.0.1:8000] [--api-key K]
-    specserve bench [--url ws://127.0.0.1:8000] [--concurrency N] ...  (bench/serve.py's options)
 
 Each subcommand is a pair of functions, `add_<name>(subparsers)` and `run_<name>(args)`, listed
 in `SUBCOMMANDS`; heavy imports (torch, uvicorn) happen inside the `run_` functions so `--help`
-is instant.
+is instant. Load tests are not part of the installed program: `python -m bench.serve` from the
+repository root runs them.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import argparse
 import os
 import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 
 def _add_model_options(p: argparse.ArgumentParser) -> None:
@@ -53,7 +52,7 @@ def add_serve(sub) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from .engine.async_engine import AsyncEngine
+    from .engine import AsyncEngine
     from .engine.core import EngineCore
     from .llm import build_engine_config
     from .server import create_app, uvicorn_config
@@ -167,38 +166,12 @@ def run_chat(args: argparse.Namespace, input_fn: Callable[[str], str] = input) -
                       f"acceptance length {m['acceptance_length']:.2f}]", file=sys.stderr)
 
 
-# ---- bench --------------------------------------------------------------------------------
-def add_bench(sub) -> None:
-    # bench/ is a folder of the repository, not of the installed package, so bench.serve parses
-    # its own options: with prefix "+" this parser takes every "--option" as a plain word and
-    # hands them all over (`specserve bench --help` shows bench.serve's help).
-    p = sub.add_parser("bench", add_help=False, prefix_chars="+",
-                       help="load-test a running server (bench/serve.py; from the repository "
-                       "root; `specserve bench --help`)")
-    p.add_argument("bench_args", nargs="*")
-
-
-def run_bench(args: argparse.Namespace) -> int:
-    import importlib
-
-    if (Path.cwd() / "bench" / "serve.py").is_file() and str(Path.cwd()) not in sys.path:
-        sys.path.insert(0, str(Path.cwd()))  # the console script's sys.path lacks the cwd
-    try:
-        serve = importlib.import_module("bench.serve")
-    except ImportError as exc:
-        print(f"specserve bench: cannot import bench.serve ({exc}); run it from the specserve "
-              f"repository root", file=sys.stderr)
-        return 2
-    return serve.run(args.bench_args, prog="specserve bench")
-
-
 # ---- the program --------------------------------------------------------------------------
 # (add_parser, run) per subcommand.
 SUBCOMMANDS: dict[str, tuple[Callable, Callable]] = {
     "serve": (add_serve, run_serve),
     "generate": (add_generate, run_generate),
     "chat": (add_chat, run_chat),
-    "bench": (add_bench, run_bench),
 }
 
 

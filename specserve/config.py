@@ -1,11 +1,20 @@
-"""Engine configuration: frozen dataclasses resolved once, derived values as properties."""
+"""Engine configuration: frozen dataclasses resolved once, derived values as properties.
+
+The model pair, the KV cache and the scheduler are configured here and nowhere else; the
+server's own limits (`server.limits.ServerLimits`) follow from the engine's at start-up.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from .engine.scheduler import SchedulerConfig
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
 
 
 @dataclass(frozen=True)
@@ -26,3 +35,20 @@ class EngineConfig:
     device: str = "cpu"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    @classmethod
+    def from_options(cls, target, draft=None, speculation=None, dtype: str = "auto",
+                     tp: int = 1, **options) -> EngineConfig:
+        """The config for `LLM(...)` / CLI keyword options; unknown ones are an error."""
+        if tp != 1:
+            raise ValueError("tensor parallelism (tp > 1) is not available yet")
+        cache_keys = {f.name for f in fields(CacheConfig)}
+        sched_keys = {f.name for f in fields(SchedulerConfig)}
+        unknown = set(options) - cache_keys - sched_keys - {"device"}
+        if unknown:
+            raise TypeError(f"unknown engine options: {', '.join(sorted(unknown))}")
+        return cls(
+            target=Path(target), draft=Path(draft) if draft is not None else None,
+            speculation=speculation, dtype=dtype, device=options.get("device", "cpu"),
+            cache=CacheConfig(**{k: v for k, v in options.items() if k in cache_keys}),
+            scheduler=SchedulerConfig(**{k: v for k, v in options.items() if k in sched_keys}))

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import fields
 from pathlib import Path
 
-from .config import CacheConfig, EngineConfig
+from .config import EngineConfig
 from .engine.core import EngineCore
-from .engine.scheduler import SchedulerConfig
 from .outputs import RequestOutput
 from .sampling import SamplingParams
 
@@ -29,22 +27,11 @@ def demo_pair() -> tuple[Path, Path]:
 
 def build_engine_config(target=None, draft=None, speculation=None, dtype="auto", tp: int = 1,
                         **options) -> EngineConfig:
-    """Engine config from the LLM/CLI keyword options (unknown ones are an error)."""
-    if tp != 1:
-        raise ValueError("tensor parallelism (tp > 1) is not available yet")
+    """Engine config from the LLM/CLI keyword options; `target=None` is the demo pair."""
     if target is None:
         target, demo_draft = demo_pair()
         draft = draft if draft is not None else demo_draft
-    cache_keys = {f.name for f in fields(CacheConfig)}
-    sched_keys = {f.name for f in fields(SchedulerConfig)}
-    unknown = set(options) - cache_keys - sched_keys - {"device"}
-    if unknown:
-        raise TypeError(f"unknown engine options: {', '.join(sorted(unknown))}")
-    return EngineConfig(
-        target=Path(target), draft=Path(draft) if draft is not None else None,
-        speculation=speculation, dtype=dtype, device=options.get("device", "cpu"),
-        cache=CacheConfig(**{k: v for k, v in options.items() if k in cache_keys}),
-        scheduler=SchedulerConfig(**{k: v for k, v in options.items() if k in sched_keys}))
+    return EngineConfig.from_options(target, draft, speculation, dtype, tp, **options)
 
 
 class LLM:

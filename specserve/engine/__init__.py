@@ -1,1 +1,7 @@
-"""The engine: requests, KV block accounting, scheduling, the step loop and its async wrapper."""
+"""The engine: requests in, token deltas out (see interface.py for what the server may use)."""
+
+from .async_engine import AsyncEngine, EngineStoppedError, RequestStream
+from .interface import EngineLimits, EngineStats, KVPoolStats, ModelInfo
+
+__all__ = ["AsyncEngine", "EngineLimits", "EngineStats", "EngineStoppedError", "KVPoolStats",
+           "ModelInfo", "RequestStream"]

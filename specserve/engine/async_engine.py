@@ -17,7 +17,9 @@ from collections.abc import AsyncIterator
 
 from ..outputs import RequestDelta
 from ..sampling import SamplingParams
+from ..spec.modes import SpecMode, parse_speculation
 from .core import EngineCore
+from .interface import EngineLimits, EngineStats, KVPoolStats, ModelInfo
 from .request import Request
 
 log = logging.getLogger("specserve.engine")
@@ -81,6 +83,28 @@ class AsyncEngine:
     @property
     def running(self) -> bool:
         return self._thread is not None and not self._stopping
+
+    # ---- read-only views (safe from the event loop) ---------------------------------------
+    @property
+    def model_info(self) -> ModelInfo:
+        return self.core.model_info
+
+    @property
+    def limits(self) -> EngineLimits:
+        return self.core.limits
+
+    @property
+    def stats(self) -> EngineStats:
+        """The engine's live counters (the engine thread updates them; read, never write)."""
+        return self.core.stats
+
+    def kv_pool(self) -> KVPoolStats:
+        return self.core.kv_pool()
+
+    def parse_speculation(self, value) -> SpecMode:
+        """A request's `speculation` spelling as a mode for this engine; ValueError names a bad
+        one (or one that needs a draft model when none is loaded)."""
+        return parse_speculation(value, self.model_info.has_draft)
 
     # ---- requests (called on the event loop) ----------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams,

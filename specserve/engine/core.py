@@ -1,18 +1,21 @@
-"""EngineCore.step(): schedule -> propose -> verify -> accept -> update.
+"""EngineCore.step(): schedule -> propose -> target forward -> verify -> commit.
 
 One step runs one target forward over every scheduled request: prompt chunks, plain decode
-tokens and token trees (root + draft nodes) side by side. The draft model (if any) drafts
-first, in a handful of small forwards of its own. Requests that sample this step get a verdict
-(accepted path + bonus/recovered token); the accepted path's KV is moved into place in both
-caches, tokens are committed one at a time through the stop conditions, and finished requests
-release their blocks before the next step is scheduled.
+tokens and token trees (root + draft nodes) side by side. The proposers draft first (the draft
+model, if any, in a handful of small forwards of its own), driven through the `Proposer`
+protocol. Requests that sample this step get a verdict (accepted path + bonus/recovered token);
+committing it moves the accepted path's KV into place in both caches, advances the request's
+`KVProgress`, commits tokens one at a time through the stop conditions, and either finishes the
+request (its blocks return before the next step is scheduled) or offers its full blocks to the
+prefix cache. Requests that asked for log-probabilities get them from this same forward
+(`logprobs.py`).
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -24,38 +27,21 @@ from ..model.runner import ModelRunner, Segment, kv_bytes_per_block
 from ..outputs import RequestDelta
 from ..sampling import SamplingParams, process_logits
 from ..spec.adaptive import AdaptiveController
-from ..spec.modes import SpecMode, parse_speculation
-from ..spec.proposers import DraftModelProposer, NgramProposer, spec_slots_for
-from ..spec.tree import build_tree_buffers, node_depths
-from ..spec.verify import TokenTree, Verdict, verify_greedy, verify_sampled
+from ..spec.modes import OFF, SpecKind, SpecMode, parse_speculation
+from ..spec.proposers import (
+    DraftModelProposer,
+    NgramProposer,
+    Proposal,
+    Proposer,
+    ProposerInput,
+)
+from ..spec.tree import TokenTree, build_tree_buffers, node_depths
+from ..spec.verify import Verdict, verify_greedy, verify_sampled
 from .block_manager import BlockManager
+from .interface import EngineLimits, EngineStats, KVPoolStats, ModelInfo
 from .logprobs import chunked_token_logprobs, token_logprobs
 from .request import Request
 from .scheduler import ScheduledRequest, Scheduler
-
-
-@dataclass
-class EngineStats:
-    """Engine-wide counters since start (the /metrics endpoint exports them)."""
-
-    num_steps: int = 0
-    num_prompt_tokens: int = 0  # prompt tokens computed (prefix-cache hits excluded)
-    num_generation_tokens: int = 0
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_pos: list[int] = field(default_factory=list)
-    drafted_per_pos: list[int] = field(default_factory=list)
-    num_finished: int = 0
-    schedule_time_s: float = 0.0
-    draft_time_s: float = 0.0
-    verify_time_s: float = 0.0  # target forwards
-    accept_time_s: float = 0.0  # verification, KV moves, commits
-
-    @property
-    def acceptance_length(self) -> float:
-        drafts = self.num_drafts
-        return 1.0 + self.num_accepted_tokens / drafts if drafts else 1.0
 
 
 class EngineCore:
@@ -91,7 +77,6 @@ class EngineCore:
         self.adaptive = AdaptiveController()
         sched_config = config.scheduler
         if sched_config.max_model_len != self.max_model_len:
-            from dataclasses import replace
             sched_config = replace(sched_config, max_model_len=self.max_model_len)
         self.scheduler = Scheduler(sched_config, self.block_manager, self._spec_slots,
                                    track_draft_kv=self.draft is not None)
@@ -162,66 +147,106 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
+    # ---- read-only views (see interface.py) -----------------------------------------------
+    @property
+    def model_info(self) -> ModelInfo:
+        return ModelInfo(self.config.target, self.config.draft, self.target.spec.vocab_size,
+                         self.default_mode)
+
+    @property
+    def limits(self) -> EngineLimits:
+        blocks = self.block_manager
+        return EngineLimits(self.max_model_len, blocks.num_blocks * blocks.block_size)
+
+    def kv_pool(self) -> KVPoolStats:
+        blocks = self.block_manager
+        return KVPoolStats(blocks.num_blocks, blocks.num_free_blocks, blocks.prefix_hit_rate)
+
     # ---- the step -------------------------------------------------------------------------
     def _configured_mode(self, req: Request) -> SpecMode:
         return req.speculation if req.speculation is not None else self.default_mode
 
     def _mode(self, req: Request) -> SpecMode:
-        """The mode a request runs this step ("adaptive" resolves to a chain length or off)."""
+        """The mode a request runs this step (adaptive resolves to a chain length or off)."""
         mode = self._configured_mode(req)
-        return self.adaptive.mode_for(req.request_id) if mode.kind == "adaptive" else mode
+        return self.adaptive.mode_for(req.request_id) if mode.is_adaptive else mode
+
+    def _proposer_for(self, mode: SpecMode) -> Proposer | None:
+        """Who drafts under `mode` (a configured adaptive mode drafts with the draft model)."""
+        if mode.kind is SpecKind.NGRAM:
+            return self.ngram
+        return self.proposer if mode.needs_draft_model else None
 
     def _spec_slots(self, req: Request) -> int:
-        return spec_slots_for(self._mode(req), req.remaining_tokens)
+        mode = self._mode(req)
+        proposer = self._proposer_for(mode)
+        return proposer.spec_slots(mode, req.remaining_tokens) if proposer is not None else 0
 
     def step(self) -> list[RequestDelta]:
-        t0 = time.perf_counter()
+        """Schedule -> propose -> target forward -> verify -> commit."""
+        timer = _StepTimer()
         out = self.scheduler.schedule()
-        t1 = time.perf_counter()
-        self.stats.schedule_time_s += t1 - t0
+        timer.lap("schedule")
         if not out.scheduled:
+            self.stats.schedule_time_s += timer.laps["schedule"]
             return []
-        for item in out.scheduled:
-            if item.request.first_scheduled_time is None:
-                item.request.first_scheduled_time = time.monotonic()
-        trees = self._propose(out.scheduled)
-        t2 = time.perf_counter()
+        modes = self._start_step(out.scheduled)
+        trees, levels = self._propose(out.scheduled, modes)
+        timer.lap("draft")
         segments = [self._target_segment(item, trees.get(item.request.request_id))
                     for item in out.scheduled]
-        logits, hidden = self.runner.forward_hidden(segments)
-        t3 = time.perf_counter()
-        for item in out.scheduled:
-            item.request.spec.draft_time_s += t2 - t1
-            item.request.spec.verify_time_s += t3 - t2
-        deltas = self._accept(out.scheduled, trees, segments, logits, hidden)
-        t4 = time.perf_counter()
-        stats = self.stats
-        stats.num_steps += 1
-        stats.draft_time_s += t2 - t1
-        stats.verify_time_s += t3 - t2
-        stats.accept_time_s += t4 - t3
-        draft = self.proposer
-        self.adaptive.observe_step(t3 - t2, sum(len(seg.token_ids) for seg in segments),
-                                   draft.last_levels_time_s if draft else 0.0,
-                                   draft.last_num_levels if draft else 0)
+        hidden: list[torch.Tensor] = []  # per segment, its hidden_rows (prompt logprobs)
+        logits = self.runner.forward(segments, hidden)
+        timer.lap("target_forward")
+        verdicts = self._verify(out.scheduled, trees, segments, logits)
+        timer.lap("verify")
+        now = time.monotonic()
+        deltas = [self._commit(item, tree, verdict, modes.get(item.request.request_id, OFF),
+                               now)
+                  for item, tree, verdict in verdicts]
+        self._score(out.scheduled, segments, logits, hidden, verdicts, deltas)
+        timer.lap("commit")
+        self._record_step(out.scheduled, timer, segments, levels)
         return deltas
 
-    def _propose(self, scheduled: list[ScheduledRequest]) -> dict[str, TokenTree]:
-        draft_modes, ngram = {}, []
+    def _start_step(self, scheduled: list[ScheduledRequest]) -> dict[str, SpecMode]:
+        """Stamp first-scheduled times; fix the mode of each request that speculates."""
+        now = time.monotonic()
         for item in scheduled:
-            if item.num_spec_slots:
-                mode = self._mode(item.request)
-                if mode.kind == "ngram":
-                    ngram.append((item.request, item.num_spec_slots))
-                else:
-                    draft_modes[item.request.request_id] = mode
-        trees = self.ngram.propose(ngram) if ngram else {}
-        if self.proposer is not None:
-            # Requests that never use the draft (off, n-gram) skip its prompt catch-up too.
-            drafting = [item for item in scheduled
-                        if self._configured_mode(item.request).needs_draft_model]
-            trees.update(self.proposer.propose(drafting, draft_modes))
-        return {rid: tree for rid, tree in trees.items() if len(tree) > 1}
+            if item.request.first_scheduled_time is None:
+                item.request.first_scheduled_time = now
+        return {item.request.request_id: self._mode(item.request)
+                for item in scheduled if item.num_spec_slots}
+
+    def _propose(self, scheduled: list[ScheduledRequest], modes: dict[str, SpecMode]
+                 ) -> tuple[dict[str, TokenTree], Proposal | None]:
+        """Token trees of the requests that speculate this step, and the draft model's proposal
+        (for its timing). Requests that never use the draft (off, n-gram) skip its prompt
+        catch-up too."""
+        trees: dict[str, TokenTree] = {}
+        draft_proposal = None
+        for proposer in (self.ngram, self.proposer):
+            batch = [_proposer_input(item, modes.get(item.request.request_id, OFF))
+                     for item in scheduled
+                     if proposer is not None and self._step_proposer(item, modes) is proposer]
+            if not batch:
+                continue
+            proposal = proposer.propose(batch)
+            for rid, end in proposal.draft_computed.items():
+                self.requests[rid].kv.draft_reached(end)
+            trees.update(proposal.trees)
+            if proposer is self.proposer:
+                draft_proposal = proposal
+        return {rid: tree for rid, tree in trees.items() if len(tree) > 1}, draft_proposal
+
+    def _step_proposer(self, item: ScheduledRequest, modes: dict[str, SpecMode]
+                       ) -> Proposer | None:
+        """Who sees a request this step: the proposer of its step mode when it speculates,
+        else the one of its configured mode (the draft model catches up on prompt chunks)."""
+        req = item.request
+        if item.num_spec_slots:
+            return self._proposer_for(modes[req.request_id])
+        return self._proposer_for(self._configured_mode(req))
 
     def _target_segment(self, item: ScheduledRequest, tree: TokenTree | None) -> Segment:
         req = item.request
@@ -239,25 +264,22 @@ class EngineCore:
         return Segment(req.all_token_ids[start:end], range(start, end), start, req.block_table,
                        [item.num_new_tokens - 1] if samples else [], hidden_rows=hidden_rows)
 
-    def _accept(self, scheduled: list[ScheduledRequest], trees: dict[str, TokenTree],
-                segments: list[Segment], logits: list[torch.Tensor],
-                hidden: list[torch.Tensor]) -> list[RequestDelta]:
-        stats = self.stats
+    def _verify(self, scheduled: list[ScheduledRequest], trees: dict[str, TokenTree],
+                segments: list[Segment], logits: list[torch.Tensor]
+                ) -> list[tuple[ScheduledRequest, TokenTree, Verdict]]:
+        """A verdict for every request that samples this step; prompt chunks that do not reach
+        the end of the prompt only advance."""
         greedy_rows = [lg for item, lg in zip(scheduled, logits)
                        if lg.shape[0] and item.request.params.greedy]
         # One host transfer for every greedy request's argmax.
         argmax = iter(torch.cat(greedy_rows).argmax(-1).tolist() if greedy_rows else [])
-        deltas = []
-        scored = []  # (request, its delta, verify logits rows of its committed tokens)
-        now = time.monotonic()
-        for item, seg, lg, hid in zip(scheduled, segments, logits, hidden):
+        verdicts = []
+        for item, seg, lg in zip(scheduled, segments, logits):
             req = item.request
             if not req.output_token_ids:
-                stats.num_prompt_tokens += item.num_new_tokens
-            if seg.hidden_rows:
-                self._score_prompt(req, seg, hid)
-            if lg.shape[0] == 0:  # a prompt chunk that does not reach the end of the prompt
-                req.num_computed_tokens += item.num_new_tokens
+                self.stats.num_prompt_tokens += item.num_new_tokens
+            if lg.shape[0] == 0:
+                req.kv.prompt_chunk_computed(item.num_new_tokens)
                 self.scheduler.cache_full_blocks(req)
                 continue
             tree = trees.get(req.request_id) or TokenTree([seg.token_ids[-1]], [-1])
@@ -265,17 +287,32 @@ class EngineCore:
                 verdict = verify_greedy(tree, [next(argmax) for _ in range(len(tree))])
             else:
                 verdict = verify_sampled(tree, process_logits(lg, req.params), req.generator)
-            delta = self._commit(item, tree, verdict, now)
+            verdicts.append((item, tree, verdict))
+        return verdicts
+
+    def _score(self, scheduled: list[ScheduledRequest], segments: list[Segment],
+               logits: list[torch.Tensor], hidden: list[torch.Tensor],
+               verdicts: list[tuple[ScheduledRequest, TokenTree, Verdict]],
+               deltas: list[RequestDelta]) -> None:
+        """Log-probabilities where requests asked for them: of prompt tokens from this step's
+        hidden rows, of committed tokens from the verify logits (no extra forward). The prompt's
+        ride on the request's first delta."""
+        for item, seg, hid in zip(scheduled, segments, hidden):
+            if seg.hidden_rows:
+                self._score_prompt(item.request, seg, hid)
+        verify_logits = {item.request.request_id: lg for item, lg in zip(scheduled, logits)}
+        scored = []  # (request, its delta, verify logits rows of its committed tokens)
+        for (item, _, verdict), delta in zip(verdicts, deltas):
+            req = item.request
             if req.logprobs is not None:
                 # Each committed token is scored from its parent's row: root, accepted nodes.
-                scored.append((req, delta, lg[([0] + verdict.accepted)[:len(delta.token_ids)]]))
+                rows = ([0] + verdict.accepted)[:len(delta.token_ids)]
+                scored.append((req, delta, verify_logits[req.request_id][rows]))
             if req.prompt_logprobs is not None and \
                     len(req.output_token_ids) == len(delta.token_ids):  # the first delta
                 delta.prompt_logprobs = req.prompt_logprobs
-            deltas.append(delta)
         if scored:
             self._score_outputs(scored)
-        return deltas
 
     def _score_prompt(self, req: Request, seg: Segment, hidden: torch.Tensor) -> None:
         """Prompt log-probabilities of the tokens this chunk's hidden rows predict."""
@@ -295,43 +332,102 @@ class EngineCore:
             req.logprobs += delta.logprobs
 
     def _commit(self, item: ScheduledRequest, tree: TokenTree, verdict: Verdict,
-                now: float) -> RequestDelta:
-        req, stats = item.request, self.stats
+                mode: SpecMode, now: float) -> RequestDelta:
+        """Apply one verdict: KV into place, counters, tokens, then finish or cache blocks."""
+        req = item.request
+        draft_kv = self._keep_accepted_kv(item, tree, verdict, mode)
+        req.kv.step_committed(item.num_new_tokens, len(verdict.accepted), draft_kv)
+        self._count_verdict(item, tree, verdict)
+        committed = self._commit_tokens(req, tree, verdict)
+        return self._emit(req, committed, len(verdict.accepted), now)
+
+    def _keep_accepted_kv(self, item: ScheduledRequest, tree: TokenTree, verdict: Verdict,
+                          mode: SpecMode) -> int | None:
+        """Move the accepted path's KV behind the root in the target cache and, through the
+        proposer, in the draft cache; return the draft KV length (None: unchanged)."""
+        if len(tree) == 1:
+            return None
+        req = item.request
         root = req.num_computed_tokens + item.num_new_tokens - 1
-        accepted = verdict.accepted
+        self.runner.move_kv([(req.block_table, root + node, root + depth)
+                             for depth, node in enumerate(verdict.accepted, start=1)])
+        proposer = self._proposer_for(mode)
+        return proposer.after_verify(req.block_table, root, tree, verdict) if proposer else None
+
+    def _count_verdict(self, item: ScheduledRequest, tree: TokenTree, verdict: Verdict) -> None:
+        req, accepted = item.request, verdict.accepted
         if len(tree) > 1:
-            self.runner.move_kv([(req.block_table, root + node, root + depth)
-                                 for depth, node in enumerate(accepted, start=1)])
-            if tree.draft_rows is not None and self.proposer is not None and \
-                    self._mode(req).needs_draft_model:
-                self.proposer.after_verify(req, tree, verdict)
-            _count_draft(req.spec, stats, len(tree) - 1, len(accepted),
+            _count_draft(req.spec, self.stats, len(tree) - 1, len(accepted),
                          max(node_depths(tree.parents)))
-        if item.num_new_tokens == 1 and self._configured_mode(req).kind == "adaptive":
+        if item.num_new_tokens == 1 and self._configured_mode(req).is_adaptive:
             self.adaptive.observe_verdict(req.request_id, len(tree) - 1, len(accepted))
-        req.num_computed_tokens += item.num_new_tokens + len(accepted)
+        req.spec.num_target_steps += 1
+
+    def _commit_tokens(self, req: Request, tree: TokenTree, verdict: Verdict) -> list[int]:
+        """The accepted tokens and the bonus/recovered one, up to the first stop condition."""
         committed = []
-        for token in [tree.tokens[n] for n in accepted] + [verdict.next_token]:
+        for token in [tree.tokens[n] for n in verdict.accepted] + [verdict.next_token]:
             committed.append(token)
             if req.append_token(token):
                 break
+        self.stats.num_generation_tokens += len(committed)
+        return committed
+
+    def _emit(self, req: Request, committed: list[int], num_accepted: int,
+              now: float) -> RequestDelta:
+        """The step's delta; a finished request leaves the engine and frees its blocks, a
+        running one offers its newly full blocks to the prefix cache."""
         if req.first_token_time is None:
             req.first_token_time = now
-        req.spec.num_target_steps += 1
-        stats.num_generation_tokens += len(committed)
         delta = RequestDelta(req.request_id, committed, "",
-                             num_draft_accepted=min(len(accepted), len(committed)), time=now)
+                             num_draft_accepted=min(num_accepted, len(committed)), time=now)
         if req.is_finished:
             self.scheduler.finish(req)
             self.requests.pop(req.request_id, None)
             self.adaptive.forget(req.request_id)
-            stats.num_finished += 1
+            self.stats.num_finished += 1
             delta.finish_reason = req.finish_reason
             delta.metrics = req.metrics()
         else:
             self.scheduler.cache_full_blocks(req)
         delta.text = req.take_text_delta()
         return delta
+
+    def _record_step(self, scheduled: list[ScheduledRequest], timer: _StepTimer,
+                     segments: list[Segment], draft: Proposal | None) -> None:
+        """Step timings into the engine and request counters and the adaptive cost model."""
+        laps, stats = timer.laps, self.stats
+        for item in scheduled:
+            item.request.spec.draft_time_s += laps["draft"]
+            item.request.spec.target_forward_time_s += laps["target_forward"]
+        stats.num_steps += 1
+        for phase, seconds in laps.items():
+            setattr(stats, f"{phase}_time_s", getattr(stats, f"{phase}_time_s") + seconds)
+        self.adaptive.observe_step(laps["target_forward"],
+                                   sum(len(seg.token_ids) for seg in segments),
+                                   draft.levels_time_s if draft else 0.0,
+                                   draft.num_levels if draft else 0)
+
+
+class _StepTimer:
+    """Wall time of a step's phases, in order."""
+
+    def __init__(self) -> None:
+        self.laps: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.laps[phase] = now - self._last
+        self._last = now
+
+
+def _proposer_input(item: ScheduledRequest, mode: SpecMode) -> ProposerInput:
+    req = item.request
+    return ProposerInput(req.request_id, req.all_token_ids, req.block_table, req.params,
+                         req.generator, req.num_computed_tokens, req.num_draft_computed,
+                         item.num_new_tokens, req.is_decoding, req.remaining_tokens,
+                         item.num_spec_slots, mode)
 
 
 def _count_draft(spec, stats: EngineStats, num_nodes: int, num_accepted: int,

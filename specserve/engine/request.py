@@ -3,7 +3,8 @@
 There is no prefill or decode phase. A request has tokens (prompt + output so far) and
 `num_computed_tokens` of them have KV in the target cache; the scheduler schedules the
 difference. During decoding the difference is exactly one token: the last one committed, which
-is also the root of the next token tree.
+is also the root of the next token tree. `KVProgress` is the one writer of how far the target
+and draft KV reach.
 """
 
 from __future__ import annotations
@@ -37,7 +38,43 @@ class SpecStats:
     num_target_steps: int = 0  # target forwards that committed tokens for this request
     # Time of the draft and target-forward stages of the steps this request took part in.
     draft_time_s: float = 0.0
-    verify_time_s: float = 0.0
+    target_forward_time_s: float = 0.0
+
+
+class KVProgress:
+    """How many of a request's tokens have KV in the target cache and in the draft cache.
+
+    The only place either count changes. Within one step the order is:
+    1. `draft_reached(n)`: the proposer's catch-up forward wrote draft KV up to n tokens;
+    2. after the target forward, either `prompt_chunk_computed(n)` (no logits wanted) or
+    3. `step_committed(...)`: verification chose the accepted path, both caches' KV for it has
+       been moved into place (the proposer reports the draft's new length), and the target count
+       advances past the root and the accepted tokens.
+    `restart(n)` sets both after admission (n prefix-cache hits) or preemption (0).
+    """
+
+    __slots__ = ("target", "draft")
+
+    def __init__(self) -> None:
+        self.target = 0  # target KV
+        self.draft = 0  # draft KV (lags the target by at most a step)
+
+    def restart(self, num_cached: int) -> None:
+        self.target = self.draft = num_cached
+
+    def draft_reached(self, num_tokens: int) -> None:
+        self.draft = num_tokens
+
+    def prompt_chunk_computed(self, num_new_tokens: int) -> None:
+        self.target += num_new_tokens
+
+    def step_committed(self, num_new_tokens: int, num_accepted: int,
+                       draft_after_verify: int | None) -> None:
+        """`draft_after_verify`: the draft's KV length once its accepted path moved into place
+        (None: this step's proposer keeps no draft KV)."""
+        self.target += num_new_tokens + num_accepted
+        if draft_after_verify is not None:
+            self.draft = draft_after_verify
 
 
 class Request:
@@ -56,8 +93,7 @@ class Request:
         self.finish_reason: str | None = None
 
         self.block_table: list[int] = []
-        self.num_computed_tokens = 0  # target KV
-        self.num_draft_computed = 0  # draft KV (lags the target by at most a step)
+        self.kv = KVProgress()
         self.block_hashes: list[int] = []  # chained hashes of the full committed blocks so far
         self.num_cached_blocks = 0  # leading blocks registered in the prefix cache
         self.num_prefix_cached_tokens = 0  # prompt tokens served from the prefix cache
@@ -89,6 +125,16 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_computed_tokens(self) -> int:
+        """Tokens whose target KV is in place."""
+        return self.kv.target
+
+    @property
+    def num_draft_computed(self) -> int:
+        """Tokens whose draft KV is in place."""
+        return self.kv.draft
 
     @property
     def num_uncomputed(self) -> int:
@@ -174,7 +220,7 @@ class Request:
             "acceptance_rate_per_pos": [a / n for a, n in zip(
                 spec.accepted_per_pos + [0] * len(spec.drafted_per_pos), spec.drafted_per_pos)],
             "draft_time_s": spec.draft_time_s,
-            "verify_time_s": spec.verify_time_s,
+            "target_forward_time_s": spec.target_forward_time_s,
             "num_target_steps": steps,
             "num_prompt_tokens": len(self.prompt_token_ids),
             "num_output_tokens": len(self.output_token_ids),

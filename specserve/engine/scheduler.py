@@ -18,15 +18,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ..config import SchedulerConfig
 from .block_manager import BlockManager
 from .request import Request, RequestStatus
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 2048
 
 
 @dataclass
@@ -136,7 +130,7 @@ class Scheduler:
         self.blocks.acquire(hits)
         req.block_table = hits + self.blocks.allocate(new_blocks)
         req.num_cached_blocks = len(hits)
-        req.num_computed_tokens = req.num_draft_computed = num_cached
+        req.kv.restart(num_cached)
         if not req.num_preemptions:
             req.num_prefix_cached_tokens = num_cached
         req.status = RequestStatus.RUNNING
@@ -147,7 +141,7 @@ class Scheduler:
         self.blocks.free_blocks(req.block_table)
         req.block_table = []
         req.num_cached_blocks = 0
-        req.num_computed_tokens = req.num_draft_computed = 0
+        req.kv.restart(0)
         req.num_preemptions += 1
         req.status = RequestStatus.WAITING
         self.num_preemptions += 1

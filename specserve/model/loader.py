@@ -1,6 +1,8 @@
-"""Load a local Hugging Face checkpoint folder into a `DecoderLM`.
+"""Load a local Hugging Face checkpoint folder, or a GGUF file, into a `DecoderLM`.
 
-Reads `config.json` and either `model.safetensors` or a sharded `model.safetensors.index.json`.
+A folder: reads `config.json` and either `model.safetensors` or a sharded
+`model.safetensors.index.json`. A `.gguf` file: `gguf.read_gguf` gives the config and the
+tensors under their Hugging Face names, dequantized here to the model's dtype.
 Each checkpoint tensor is routed to the parameter that owns it together with a shard id (q/k/v
 and gate/up are fused here), and that parameter's `weight_loader` copies its tensor-parallel
 slice. Every failure names the folder, file and tensor involved.
@@ -105,51 +107,91 @@ def _route(name: str, spec: ArchSpec) -> tuple[str, int] | None:
     return f"layers.{layer}.{target}.{kind}", shard
 
 
+def is_gguf(path: str | Path) -> bool:
+    """A `.gguf` file (read by model/gguf.py) rather than a Hugging Face folder."""
+    return Path(path).suffix.lower() == ".gguf"
+
+
 def load_model(path: str | Path, dtype: str | torch.dtype = "auto",
                device: str | torch.device = "cpu") -> DecoderLM:
-    """Build the decoder for the folder's architecture and load its weights (this rank's slice)."""
+    """Build the decoder for the checkpoint's architecture and load its weights (this rank's
+    slice). `path` is a Hugging Face folder or a `.gguf` file (dequantized to `dtype`)."""
     path = Path(path)
+    if is_gguf(path):
+        return _load_gguf(path, dtype, device)
     config = load_hf_config(path)
     spec = ArchSpec.from_hf_config(config)
     torch_dtype = resolve_dtype(dtype, config)
-    model = DecoderLM(spec, torch_dtype)
-    params = dict(model.named_parameters())
-    owners = {name: mod for mod_name, mod in model.named_modules()
-              for name in (f"{mod_name}.weight", f"{mod_name}.bias") if name in params}
-    loaded: set[tuple[str, int]] = set()
     files = weight_files(path)
     by_file: dict[Path, list[str]] = {}
     for name, file in files.items():
         by_file.setdefault(file, []).append(name)
-    for file, names in sorted(by_file.items()):
-        handle = _open(file)
-        for name in sorted(names):
-            route = _route(name, spec)
-            if route is None:
-                continue
-            target, shard = route
-            if target not in params:
-                raise CheckpointError(f"{file}: unexpected tensor {name!r} for {spec.architecture}")
-            try:
-                tensor = handle.get_tensor(name)
-            except Exception as exc:
-                raise CheckpointError(f"{file}: tensor {name!r} cannot be read: {exc}") from exc
-            loader = getattr(owners[target], "weight_loader", None)
-            try:
-                with torch.no_grad():
-                    if loader is None:  # norms: whole tensor on every rank
-                        if params[target].shape != tensor.shape:
-                            raise ValueError(f"shape mismatch: expected "
-                                             f"{tuple(params[target].shape)}, got "
-                                             f"{tuple(tensor.shape)}")
-                        params[target].data.copy_(tensor)
-                    else:
-                        loader(params[target], tensor.to(torch_dtype), shard)
-            except ValueError as exc:
-                raise CheckpointError(f"{file}: tensor {name!r}: {exc}") from exc
-            loaded.add((target, shard))
-    _check_complete(model, loaded, path)
+
+    def tensors():
+        for file, names in sorted(by_file.items()):
+            handle = _open(file)
+            for name in sorted(names):
+                yield file, name, lambda handle=handle, name=name: handle.get_tensor(name)
+
+    model = DecoderLM(spec, torch_dtype)
+    _check_complete(model, _fill(model, tensors(), torch_dtype), path)
     return model.to(device).eval()
+
+
+def _load_gguf(path: Path, dtype: str | torch.dtype, device: str | torch.device) -> DecoderLM:
+    from .gguf import GGUFError, read_gguf
+
+    try:
+        ckpt = read_gguf(path)
+    except GGUFError as exc:
+        raise CheckpointError(str(exc)) from exc
+    if dtype == "auto":  # dequantized weights: float32 only when the file is float32 throughout
+        all_f32 = all(t.ggml_type.name == "F32" for t in ckpt.tensors.values())
+        dtype = torch.float32 if all_f32 else torch.bfloat16
+    torch_dtype = resolve_dtype(dtype, ckpt.config)
+    model = DecoderLM(ckpt.spec, torch_dtype)
+    tensors = ((path, name, lambda t=t: t.dequantize(torch_dtype))
+               for name, t in sorted(ckpt.tensors.items()))
+    _check_complete(model, _fill(model, tensors, torch_dtype), path)
+    return model.to(device).eval()
+
+
+def _fill(model: DecoderLM, tensors, torch_dtype: torch.dtype) -> set[tuple[str, int]]:
+    """Copy checkpoint tensors into `model`; returns the (parameter, shard) pairs filled.
+
+    `tensors` yields (file, checkpoint name, read()) per tensor; each is routed to the parameter
+    that owns it and read only then."""
+    spec = model.spec
+    params = dict(model.named_parameters())
+    owners = {name: mod for mod_name, mod in model.named_modules()
+              for name in (f"{mod_name}.weight", f"{mod_name}.bias") if name in params}
+    loaded: set[tuple[str, int]] = set()
+    for file, name, read in tensors:
+        route = _route(name, spec)
+        if route is None:
+            continue
+        target, shard = route
+        if target not in params:
+            raise CheckpointError(f"{file}: unexpected tensor {name!r} for {spec.architecture}")
+        try:
+            tensor = read()
+        except Exception as exc:
+            raise CheckpointError(f"{file}: tensor {name!r} cannot be read: {exc}") from exc
+        loader = getattr(owners[target], "weight_loader", None)
+        try:
+            with torch.no_grad():
+                if loader is None:  # norms: whole tensor on every rank
+                    if params[target].shape != tensor.shape:
+                        raise ValueError(f"shape mismatch: expected "
+                                         f"{tuple(params[target].shape)}, got "
+                                         f"{tuple(tensor.shape)}")
+                    params[target].data.copy_(tensor)
+                else:
+                    loader(params[target], tensor.to(torch_dtype), shard)
+        except ValueError as exc:
+            raise CheckpointError(f"{file}: tensor {name!r}: {exc}") from exc
+        loaded.add((target, shard))
+    return loaded
 
 
 def _check_complete(model: DecoderLM, loaded: set[tuple[str, int]], path: Path) -> None:
@@ -166,6 +208,13 @@ def _check_complete(model: DecoderLM, loaded: set[tuple[str, int]], path: Path) 
 def load_tokenizer(path: str | Path):
     from transformers import AutoTokenizer
 
+    if is_gguf(path):
+        from .gguf import GGUFError, load_gguf_tokenizer
+
+        try:
+            return load_gguf_tokenizer(path)
+        except GGUFError as exc:
+            raise CheckpointError(str(exc)) from exc
     try:
         return AutoTokenizer.from_pretrained(Path(path), local_files_only=True)
     except Exception as exc:

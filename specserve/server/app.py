@@ -25,7 +25,7 @@ from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket
 
-from ..engine.async_engine import AsyncEngine
+from ..engine import AsyncEngine
 from . import openai_api, tokenize_api
 from .auth import (
     SUBPROTOCOL,
@@ -56,7 +56,7 @@ class ServerState:
 
 
 def default_model_name(engine: AsyncEngine) -> str:
-    target = Path(engine.core.config.target)
+    target = Path(engine.model_info.target)
     if target.name == "target" and target.parent.name == "demo":
         return "specserve-demo"
     return target.name
@@ -70,7 +70,7 @@ def create_app(engine: AsyncEngine, *, api_key: str | None = None,
     name = model_name or default_model_name(engine)
     guard = Guard(api_key, allowed_origins)
     state = ServerState(engine=engine, model_name=name,
-                        model_root=str(engine.core.config.target),
+                        model_root=str(engine.model_info.target),
                         limits=limits or ServerLimits.for_engine(engine), guard=guard,
                         metrics=ServerMetrics(engine, name), created=int(time.time()))
     static = Path(static_dir) if static_dir is not None else STATIC_DIR

@@ -13,9 +13,8 @@ from dataclasses import asdict, dataclass
 
 import msgspec
 
-from ..engine.async_engine import AsyncEngine
+from ..engine import AsyncEngine
 from ..sampling import SamplingParams
-from ..spec.modes import parse_speculation
 
 
 class RequestError(Exception):
@@ -58,9 +57,8 @@ class ServerLimits:
     @classmethod
     def for_engine(cls, engine: AsyncEngine, **overrides) -> ServerLimits:
         """Limits that follow from the engine: its context and its KV pool, whichever is less."""
-        core = engine.core
-        pool_tokens = core.block_manager.num_blocks * core.block_manager.block_size
-        context = min(core.max_model_len, pool_tokens)
+        engine_limits = engine.limits
+        context = min(engine_limits.max_model_len, engine_limits.kv_pool_tokens)
         values = dict(max_model_len=context, max_prompt_tokens=context - 1,  # noqa: C408
                       max_output_tokens=context - 1)
         values.update(overrides)
@@ -123,7 +121,7 @@ def prepare_request(engine: AsyncEngine, limits: ServerLimits, *,
         prompt_ids = tokenizer.encode(prompt)  # the same call LLM.generate makes
     else:
         prompt_ids = list(prompt)
-        vocab = engine.core.target.spec.vocab_size
+        vocab = engine.model_info.vocab_size
         if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab
                for t in prompt_ids):
             raise RequestError("invalid_field", f"token ids must be integers in [0, {vocab})",
@@ -148,10 +146,9 @@ def prepare_request(engine: AsyncEngine, limits: ServerLimits, *,
                            f"({max_output_tokens}) exceeds the context of "
                            f"{limits.max_model_len} tokens", param("max_output_tokens"))
 
-    has_draft = engine.core.draft is not None
     try:
-        mode = (parse_speculation(speculation, has_draft) if speculation is not None
-                else engine.core.default_mode)
+        mode = (engine.parse_speculation(speculation) if speculation is not None
+                else engine.model_info.default_speculation)
     except ValueError as exc:
         raise RequestError("invalid_field", str(exc), param("speculation")) from exc
 

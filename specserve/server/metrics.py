@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from ..engine.async_engine import AsyncEngine
+from ..engine import AsyncEngine
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -32,8 +32,8 @@ class _EngineCollector:
         return []  # names are only known at collect time; no duplicate checks needed
 
     def collect(self) -> Iterator[Metric]:
-        core, model = self.engine.core, [self.model_name]
-        stats, blocks = core.stats, core.block_manager
+        model = [self.model_name]
+        stats, blocks = self.engine.stats, self.engine.kv_pool()
 
         def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
             family = CounterMetricFamily(name, doc, labels=["model_name"])
@@ -69,7 +69,7 @@ class _EngineCollector:
                       stats.num_finished)
         phases = CounterMetricFamily("specserve_engine_step_seconds",
                                      "Engine time by step phase.", labels=["model_name", "phase"])
-        for phase in ("schedule", "draft", "verify", "accept"):
+        for phase in ("schedule", "draft", "target_forward", "verify", "commit"):
             phases.add_metric([self.model_name, phase], getattr(stats, f"{phase}_time_s"))
         yield phases
         yield gauge("specserve_acceptance_length", "Tokens committed per target forward for "
@@ -130,7 +130,7 @@ def request_metrics(m: dict | None) -> dict:
         "accepted_per_pos": m["accepted_per_pos"],
         "acceptance_rate_per_pos": [round(r, 4) for r in m.get("acceptance_rate_per_pos", [])],
         "draft_ms": round(m.get("draft_time_s", 0.0) * 1e3, 3),
-        "verify_ms": round(m.get("verify_time_s", 0.0) * 1e3, 3),
+        "verify_ms": round(m.get("target_forward_time_s", 0.0) * 1e3, 3),
         "num_prefix_cached_tokens": m.get("num_prefix_cached_tokens", 0),
         "num_preemptions": m.get("num_preemptions", 0),
     }

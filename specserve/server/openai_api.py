@@ -26,7 +26,7 @@ from msgspec import Meta
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from ..engine.async_engine import EngineStoppedError, RequestStream
+from ..engine import EngineStoppedError, RequestStream
 from ..outputs import RequestDelta, TokenLogprob
 from ..sampling import MAX_LOGPROBS, SamplingParams
 from .auth import error_body

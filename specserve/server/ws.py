@@ -22,10 +22,9 @@ import orjson
 from msgspec import UNSET, Meta, UnsetType
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from ..engine.async_engine import EngineStoppedError, RequestStream
+from ..engine import EngineStoppedError, RequestStream
 from ..outputs import RequestDelta
 from ..sampling import MAX_LOGPROBS
-from ..spec.modes import parse_speculation
 from .limits import RequestError, prepare_request, validation_param
 from .metrics import request_metrics
 from .openai_logprobs import TokenStrings
@@ -143,7 +142,7 @@ class Session:
 
     def _session_object(self) -> dict:
         return {"id": self.id, "model": self.state.model_name,
-                "speculation": str(self.engine.core.default_mode),
+                "speculation": str(self.engine.model_info.default_speculation),
                 "defaults": msgspec.to_builtins(self.defaults),
                 "limits": self.limits.as_dict()}
 
@@ -270,7 +269,7 @@ class Session:
         defaults = event.session.defaults
         try:  # catch a bad default now, rather than on every later request
             if defaults.speculation not in (UNSET, None):
-                parse_speculation(defaults.speculation, self.engine.core.draft is not None)
+                self.engine.parse_speculation(defaults.speculation)
         except ValueError as exc:
             await self.error("invalid_field", str(exc), "session.defaults.speculation",
                              event.event_id)

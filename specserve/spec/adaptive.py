@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .modes import OFF, SpecMode
+from .modes import OFF, SpecKind, SpecMode
 
 MAX_CHAIN = 8
 PRIOR_ACCEPTANCE = 0.6  # before anything is measured: optimistic enough to try drafting
@@ -60,7 +60,7 @@ class AdaptiveController:
         k = best_chain_length(state.acceptance, self._cost_ratio())
         if k == 0 and state.steps_off >= PROBE_EVERY:
             k = 1
-        return SpecMode("chain", k) if k else OFF
+        return SpecMode(SpecKind.CHAIN, k) if k else OFF
 
     def observe_step(self, target_time_s: float, target_rows: int, levels_time_s: float,
                      draft_levels: int) -> None:

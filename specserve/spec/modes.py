@@ -8,6 +8,7 @@ Spellings (the same for `LLM(speculation=...)`, `--speculation` and the WebSocke
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 from .tree import STATIC_TREES, validate_paths
@@ -18,31 +19,50 @@ DEFAULT_TREE_TOPK = 4
 DEFAULT_TREE_DEPTH = 5
 
 
+class SpecKind(str, enum.Enum):
+    """The kinds of speculation (a str enum: compares equal to its spelling)."""
+
+    OFF = "off"
+    CHAIN = "chain"  # K draft tokens in a line
+    TREE = "tree"  # dynamic EAGLE-2-style tree of N nodes
+    STATIC = "static"  # a fixed Medusa-style shape
+    NGRAM = "ngram"  # prompt lookup, no draft model
+    ADAPTIVE = "adaptive"  # a chain length (or off) per request and step
+
+
 @dataclass(frozen=True)
 class SpecMode:
-    kind: str  # "off" | "chain" | "tree" | "static" | "ngram" | "adaptive"
+    kind: SpecKind
     num_tokens: int = 0  # chain/ngram: K; tree: N nodes; static: nodes in the shape
     paths: tuple[tuple[int, ...], ...] = ()  # static: child-index paths, Medusa style
     name: str = ""
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", SpecKind(self.kind))
+
     @property
     def enabled(self) -> bool:
-        return self.kind != "off"
+        return self.kind is not SpecKind.OFF
 
     @property
     def needs_draft_model(self) -> bool:
-        return self.kind in ("chain", "tree", "static", "adaptive")
+        return self.kind in (SpecKind.CHAIN, SpecKind.TREE, SpecKind.STATIC, SpecKind.ADAPTIVE)
+
+    @property
+    def is_adaptive(self) -> bool:
+        """The engine resolves this mode to a chain length (or off) per request and step."""
+        return self.kind is SpecKind.ADAPTIVE
 
     def __str__(self) -> str:
-        if self.kind in ("chain", "ngram", "tree"):
-            return f"{self.kind}:{self.num_tokens}"
-        if self.kind == "static":
+        if self.kind in (SpecKind.CHAIN, SpecKind.NGRAM, SpecKind.TREE):
+            return f"{self.kind.value}:{self.num_tokens}"
+        if self.kind is SpecKind.STATIC:
             return f"static:{self.name}" if self.name else "static"
-        return self.kind
+        return self.kind.value
 
 
-OFF = SpecMode("off")
-ADAPTIVE = SpecMode("adaptive")
+OFF = SpecMode(SpecKind.OFF)
+ADAPTIVE = SpecMode(SpecKind.ADAPTIVE)
 
 
 def best_mode(has_draft: bool, device: str = "cpu") -> SpecMode:
@@ -57,7 +77,7 @@ def best_mode(has_draft: bool, device: str = "cpu") -> SpecMode:
     """
     if not has_draft:
         return OFF
-    return SpecMode("tree", DEFAULT_TREE_NODES) if device.startswith("cuda") else ADAPTIVE
+    return SpecMode(SpecKind.TREE, DEFAULT_TREE_NODES) if device.startswith("cuda") else ADAPTIVE
 
 
 def parse_speculation(value, has_draft: bool, device: str = "cpu") -> SpecMode:
@@ -68,7 +88,7 @@ def parse_speculation(value, has_draft: bool, device: str = "cpu") -> SpecMode:
         mode = best_mode(has_draft, device)
     elif isinstance(value, (list, tuple)):
         paths = validate_paths(value)
-        mode = SpecMode("static", len(paths), paths)
+        mode = SpecMode(SpecKind.STATIC, len(paths), paths)
     elif isinstance(value, str):
         mode = _parse_string(value.strip())
     else:
@@ -80,24 +100,28 @@ def parse_speculation(value, has_draft: bool, device: str = "cpu") -> SpecMode:
 
 
 def _parse_string(value: str) -> SpecMode:
-    kind, _, arg = value.partition(":")
-    if kind in ("off", "adaptive") and not arg:
+    spelling, _, arg = value.partition(":")
+    try:
+        kind = SpecKind(spelling)
+    except ValueError:
+        kind = None
+    if kind in (SpecKind.OFF, SpecKind.ADAPTIVE) and not arg:
         return SpecMode(kind)
-    if kind == "tree" and not arg:
-        return SpecMode("tree", DEFAULT_TREE_NODES)
-    if kind == "static":
+    if kind is SpecKind.TREE and not arg:
+        return SpecMode(kind, DEFAULT_TREE_NODES)
+    if kind is SpecKind.STATIC:
         if arg not in STATIC_TREES:
             raise ValueError(f"unknown static tree {arg!r}; known: {', '.join(STATIC_TREES)}")
         paths = validate_paths(STATIC_TREES[arg])
-        return SpecMode("static", len(paths), paths, arg)
-    if kind in ("chain", "tree", "ngram"):
+        return SpecMode(kind, len(paths), paths, arg)
+    if kind in (SpecKind.CHAIN, SpecKind.TREE, SpecKind.NGRAM):
         try:
             k = int(arg)
         except ValueError:
-            raise ValueError(f"speculation {value!r}: expected {kind}:<int>") from None
-        limit = 64 if kind == "tree" else 16
+            raise ValueError(f"speculation {value!r}: expected {spelling}:<int>") from None
+        limit = 64 if kind is SpecKind.TREE else 16
         if not 1 <= k <= limit:
-            raise ValueError(f"speculation {value!r}: {kind} size must be in 1..{limit}")
+            raise ValueError(f"speculation {value!r}: {spelling} size must be in 1..{limit}")
         return SpecMode(kind, k)
     raise ValueError(f"unknown speculation {value!r}; use off, chain:K, tree, tree:N, "
                      f"static:NAME, ngram:K or adaptive")

@@ -3,8 +3,11 @@
 `DraftModelProposer` grows chains, static trees and dynamic EAGLE-2-style trees from one loop,
 level by level, with a small draft model that shares the target's vocabulary and block ids.
 `NgramProposer` drafts a chain from earlier occurrences of the context's last tokens (prompt
-lookup) without any model. Both return `TokenTree`s and tell the scheduler how many KV slots a
-request needs past its root (`spec_slots`), so the speculation can be chosen per step.
+lookup) without any model. Both implement the `Proposer` protocol the engine drives: how many KV
+slots a request needs past its root (`spec_slots`, so the speculation can be chosen per step),
+`propose` (a `Proposal`: token trees, and how far the draft KV now reaches) and `after_verify`
+(how far the draft KV reaches once the accepted path's KV is in place). Proposers see a request
+only through `ProposerInput` and never write engine state: the engine owns KV progress.
 
 Draft KV layout for one request during a step (P = root position, the last committed token):
 
@@ -21,35 +24,70 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
-from ..engine.request import Request
-from ..engine.scheduler import ScheduledRequest
 from ..model.runner import ModelRunner, Segment
-from ..sampling import process_logits
-from .modes import DEFAULT_TREE_DEPTH, DEFAULT_TREE_TOPK, SpecMode
-from .tree import children_lists, paths_to_parents
-from .verify import TokenTree, Verdict
+from ..sampling import SamplingParams, process_logits
+from .modes import DEFAULT_TREE_DEPTH, DEFAULT_TREE_TOPK, SpecKind, SpecMode
+from .tree import TokenTree, children_lists, paths_to_parents, tree_mask
+from .verify import Verdict
 
 
-def spec_slots_for(mode: SpecMode, remaining_tokens: int) -> int:
-    """KV slots past the root a request needs this step under `mode` (0: no speculation)."""
+@dataclass
+class ProposerInput:
+    """One scheduled request as a proposer sees it for one step."""
+
+    request_id: str
+    token_ids: list[int]  # prompt + output so far; the last one is the root
+    block_table: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    num_computed_tokens: int  # tokens with target KV before this step
+    num_draft_computed: int  # tokens with draft KV before this step
+    num_new_tokens: int  # committed tokens the target computes this step
+    is_decoding: bool  # only the root lacks target KV
+    remaining_tokens: int  # tokens the request may still commit
+    num_spec_slots: int  # KV slots past the root reserved for a tree (0: no speculation)
+    mode: SpecMode  # the mode this step (adaptive already resolved)
+
+
+@dataclass
+class Proposal:
+    """What one `propose` call produced."""
+
+    trees: dict[str, TokenTree] = field(default_factory=dict)  # request id -> tree
+    # Request id -> tokens whose draft KV is now in place (only requests whose draft KV grew).
+    draft_computed: dict[str, int] = field(default_factory=dict)
+    num_levels: int = 0  # tree-growing draft forwards (catch-up excluded)
+    levels_time_s: float = 0.0  # their time: the draft cost adaptive speculation measures
+
+
+class Proposer(Protocol):
+    def spec_slots(self, mode: SpecMode, remaining_tokens: int) -> int:
+        """KV slots past the root a request needs this step under `mode` (0: none)."""
+
+    def propose(self, inputs: Sequence[ProposerInput]) -> Proposal:
+        """Trees for the inputs with spec slots; the rest only catch their draft KV up."""
+
+    def after_verify(self, block_table: list[int], root: int, tree: TokenTree,
+                     verdict: Verdict) -> int | None:
+        """Move the accepted path's draft KV behind the root (at position `root`); return how
+        many tokens have draft KV now, or None for a proposer that keeps no KV."""
+
+
+def _chain_slots(mode: SpecMode, remaining_tokens: int) -> int:
     if not mode.enabled or remaining_tokens <= 1:
         return 0
-    if mode.kind in ("chain", "ngram"):
-        return min(mode.num_tokens, remaining_tokens - 1)
-    if mode.kind == "tree":
-        # The tree keeps N nodes; the draft runs TOPK nodes on each level but the last.
-        return max(mode.num_tokens, DEFAULT_TREE_TOPK * (DEFAULT_TREE_DEPTH - 1))
-    return mode.num_tokens  # static
+    return min(mode.num_tokens, remaining_tokens - 1)
 
 
 @dataclass
 class _Growing:
     """One request's tree while the draft grows it."""
 
-    req: Request
+    inp: ProposerInput
     mode: SpecMode
     budget: int  # most nodes (root excluded) and most forwarded nodes
     max_depth: int
@@ -68,44 +106,46 @@ class _Growing:
 
     @property
     def greedy(self) -> bool:
-        return self.req.params.greedy
+        return self.inp.params.greedy
 
 
 class DraftModelProposer:
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
-        # The latest propose()'s tree-growing forwards (catch-up excluded): adaptive's cost model.
-        self.last_num_levels = 0
-        self.last_levels_time_s = 0.0
+
+    def spec_slots(self, mode: SpecMode, remaining_tokens: int) -> int:
+        if mode.kind is SpecKind.TREE and remaining_tokens > 1:
+            # The tree keeps N nodes; the draft runs TOPK nodes on each level but the last.
+            return max(mode.num_tokens, DEFAULT_TREE_TOPK * (DEFAULT_TREE_DEPTH - 1))
+        if mode.kind is SpecKind.STATIC and remaining_tokens > 1:
+            return mode.num_tokens
+        return _chain_slots(mode, remaining_tokens)
 
     # ---- drafting -------------------------------------------------------------------------
-    def propose(self, scheduled: Sequence[ScheduledRequest],
-                modes: dict[str, SpecMode]) -> dict[str, TokenTree]:
-        """Catch the draft up on every scheduled request and grow trees for those in `modes`.
+    def propose(self, inputs: Sequence[ProposerInput]) -> Proposal:
+        """Catch the draft up on every input and grow trees for those with spec slots.
 
         Prompt chunks go through the draft too (its KV must cover the prompt before it can
-        propose); `modes` maps the request ids that speculate this step to their mode.
+        propose).
         """
+        proposal = Proposal()
         catch_up, growing = [], []
-        for item in scheduled:
-            req = item.request
-            end = req.num_computed_tokens + item.num_new_tokens
-            speculating = req.request_id in modes
-            if req.num_draft_computed >= end:
+        for inp in inputs:
+            end = inp.num_computed_tokens + inp.num_new_tokens
+            speculating = inp.num_spec_slots > 0
+            if inp.num_draft_computed >= end:
                 continue
-            if not speculating and req.is_decoding:
+            if not speculating and inp.is_decoding:
                 continue  # a decode step without speculation: the draft catches up later
-            tokens = req.all_token_ids[req.num_draft_computed:end]
-            catch_up.append(Segment(tokens, range(req.num_draft_computed, end),
-                                    req.num_draft_computed, req.block_table,
+            tokens = inp.token_ids[inp.num_draft_computed:end]
+            catch_up.append(Segment(tokens, range(inp.num_draft_computed, end),
+                                    inp.num_draft_computed, inp.block_table,
                                     [len(tokens) - 1] if speculating else []))
-            req.num_draft_computed = end
+            proposal.draft_computed[inp.request_id] = end
             if speculating:
-                mode = modes[req.request_id]
-                growing.append(self._start(req, mode, item.num_spec_slots))
-        self.last_num_levels, self.last_levels_time_s = 0, 0.0
+                growing.append(self._start(inp))
         if not catch_up:
-            return {}
+            return proposal
         logits = self.runner.forward(catch_up)
         roots = iter(lg[0] for seg, lg in zip(catch_up, logits) if seg.logit_rows)
         for g in growing:
@@ -114,20 +154,22 @@ class DraftModelProposer:
             for g in growing:
                 if depth <= g.max_depth:
                     self._grow_level(g, depth)
-            self._forward_pending([g for g in growing if g.pending])
-        return {g.req.request_id: self._finish(g) for g in growing}
+            self._forward_pending([g for g in growing if g.pending], proposal)
+        proposal.trees = {g.inp.request_id: self._finish(g) for g in growing}
+        return proposal
 
-    def _start(self, req: Request, mode: SpecMode, budget: int) -> _Growing:
+    def _start(self, inp: ProposerInput) -> _Growing:
+        mode, budget = inp.mode, inp.num_spec_slots
         max_depth = budget
         shape_children = None
-        if mode.kind == "static":
+        if mode.kind is SpecKind.STATIC:
             parents = paths_to_parents(mode.paths)[: budget + 1]
             shape_children = children_lists(parents)
-        elif mode.kind == "tree":
+        elif mode.kind is SpecKind.TREE:
             max_depth = DEFAULT_TREE_DEPTH
-        max_depth = min(max_depth, req.remaining_tokens - 1)
-        return _Growing(req, mode, budget, max_depth, req.num_tokens - 1,
-                        [req.all_token_ids[-1]], shape_children=shape_children)
+        max_depth = min(max_depth, inp.remaining_tokens - 1)
+        return _Growing(inp, mode, budget, max_depth, len(inp.token_ids) - 1,
+                        [inp.token_ids[-1]], shape_children=shape_children)
 
     def _grow_level(self, g: _Growing, depth: int) -> None:
         """Add the children of every node expanded at depth - 1; pick which to run next."""
@@ -137,10 +179,10 @@ class DraftModelProposer:
             count = self._num_children(g, node)
             if count == 0:
                 continue
-            q = process_logits(logits[None], g.req.params)[0] if not g.greedy else None
+            q = process_logits(logits[None], g.inp.params)[0] if not g.greedy else None
             if q is not None:
                 g.probs[node] = q
-            tokens, logps = _pick_children(logits, q, count, g.req.generator)
+            tokens, logps = _pick_children(logits, q, count, g.inp.generator)
             floor = g.scores[node]
             for k, (token, logp) in enumerate(zip(tokens, logps)):
                 # Scores never increase along siblings, so pruning keeps a prefix of each
@@ -156,7 +198,7 @@ class DraftModelProposer:
                 new_nodes.append(len(g.tokens) - 1)
         if depth >= g.max_depth:
             return
-        if g.mode.kind == "tree":
+        if g.mode.kind is SpecKind.TREE:
             new_nodes.sort(key=lambda i: -g.scores[i])
             new_nodes = new_nodes[:DEFAULT_TREE_TOPK]
         elif g.shape_children is not None:
@@ -168,13 +210,13 @@ class DraftModelProposer:
             g.pending.append(node)
 
     def _num_children(self, g: _Growing, node: int) -> int:
-        if g.mode.kind == "tree":
+        if g.mode.kind is SpecKind.TREE:
             return DEFAULT_TREE_TOPK
         if g.shape_children is not None:
             return len(g.shape_children[g.shape_node[node]])
         return 1  # chain
 
-    def _forward_pending(self, growing: list[_Growing]) -> None:
+    def _forward_pending(self, growing: list[_Growing], proposal: Proposal) -> None:
         if not growing:
             return
         start = time.perf_counter()
@@ -182,26 +224,22 @@ class DraftModelProposer:
         for g in growing:
             fwd = g.forwarded
             rows = {node: r for r, node in enumerate(fwd)}
-            mask = torch.zeros(len(fwd), len(fwd), dtype=torch.bool)
-            for r, node in enumerate(fwd):
-                a = node
-                while a > 0:  # the root is below `start`: every row sees it as context
-                    mask[r, rows[a]] = True
-                    a = g.parents[a]
+            # The root is below `start`: every row sees it as context, so it is no mask row.
+            mask = tree_mask([rows.get(g.parents[node], -1) for node in fwd])
             segments.append(Segment([g.tokens[i] for i in fwd],
                                     [g.root + g.depths[i] for i in fwd], g.root + 1,
-                                    g.req.block_table, [rows[i] for i in g.pending], mask))
+                                    g.inp.block_table, [rows[i] for i in g.pending], mask))
         for g, logits in zip(growing, self.runner.forward(segments)):
             for node, row in zip(g.pending, logits):
                 g.expand[node] = row
             g.pending = []
-        self.last_num_levels += 1
-        self.last_levels_time_s += time.perf_counter() - start
+        proposal.num_levels += 1
+        proposal.levels_time_s += time.perf_counter() - start
 
     def _finish(self, g: _Growing) -> TokenTree:
         keep = list(range(len(g.tokens)))
         size = min(g.mode.num_tokens, g.budget)
-        if g.mode.kind == "tree" and len(keep) - 1 > size:
+        if g.mode.kind is SpecKind.TREE and len(keep) - 1 > size:
             # EAGLE-2 re-ranking: the N best nodes by cumulative draft log-probability. A child
             # never outscores its parent (ties broken by depth), so the set keeps its ancestors.
             best = sorted(keep[1:], key=lambda i: (-g.scores[i], g.depths[i], i))
@@ -219,18 +257,18 @@ class DraftModelProposer:
             draft_rows=[g.draft_rows[i] for i in keep])
 
     # ---- after verification ---------------------------------------------------------------
-    def after_verify(self, req: Request, tree: TokenTree, verdict: Verdict) -> None:
+    def after_verify(self, block_table: list[int], root: int, tree: TokenTree,
+                     verdict: Verdict) -> int:
         """Keep the draft KV of accepted nodes: move it into place, drop the rest."""
-        root = req.num_computed_tokens
         moves, kept = [], 0
         for depth, node in enumerate(verdict.accepted, start=1):
             j = tree.draft_rows[node]
             if j < 0:
                 break
-            moves.append((req.block_table, root + 1 + j, root + depth))
+            moves.append((block_table, root + 1 + j, root + depth))
             kept += 1
         self.runner.move_kv(moves)
-        req.num_draft_computed = root + 1 + kept
+        return root + 1 + kept
 
 
 def _pick_children(logits: torch.Tensor, q: torch.Tensor | None, count: int,
@@ -259,16 +297,23 @@ class NgramProposer:
     def __init__(self, max_n: int = 3) -> None:
         self.max_n = max_n
 
-    def propose(self, requests: Sequence[tuple[Request, int]]) -> dict[str, TokenTree]:
-        trees = {}
-        for req, budget in requests:
-            draft = self.lookup(req.all_token_ids, budget)
+    def spec_slots(self, mode: SpecMode, remaining_tokens: int) -> int:
+        return _chain_slots(mode, remaining_tokens)
+
+    def propose(self, inputs: Sequence[ProposerInput]) -> Proposal:
+        proposal = Proposal()
+        for inp in inputs:
+            draft = self.lookup(inp.token_ids, inp.num_spec_slots) if inp.num_spec_slots else []
             if draft:
-                trees[req.request_id] = TokenTree(
-                    tokens=[req.all_token_ids[-1]] + draft,
+                proposal.trees[inp.request_id] = TokenTree(
+                    tokens=[inp.token_ids[-1]] + draft,
                     parents=list(range(-1, len(draft))),
                     draft_rows=[-1] * (len(draft) + 1))
-        return trees
+        return proposal
+
+    def after_verify(self, block_table: list[int], root: int, tree: TokenTree,
+                     verdict: Verdict) -> None:
+        return None  # no model, no KV
 
     def lookup(self, tokens: Sequence[int], k: int) -> list[int]:
         for n in range(min(self.max_n, len(tokens) - 1), 0, -1):

@@ -26,6 +26,20 @@ STATIC_TREES: dict[str, list[list[int]]] = {
 }
 
 
+@dataclass
+class TokenTree:
+    """One request's proposal for one step, BFS-ordered (see above); node 0 is the root."""
+
+    tokens: list[int]  # [n]
+    parents: list[int]  # [n]
+    draft_probs: torch.Tensor | None = None  # [m, V] float32 q at expanded nodes; None: no q
+    prob_row: list[int] | None = None  # [n] row of draft_probs for each node, -1 if none
+    draft_rows: list[int] | None = None  # [n] draft forward index (KV at root + 1 + j), -1 if none
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
 @dataclass(frozen=True)
 class TreeBuffers:
     """What a tree turns into for the kernels and the verifier (n nodes, root included)."""
@@ -74,15 +88,24 @@ def node_depths(parents: Sequence[int]) -> list[int]:
     return depths
 
 
+def tree_mask(parents: Sequence[int]) -> torch.Tensor:
+    """[n, n] bool: node i sees node j iff j is i or an ancestor of i (BFS-ordered parents;
+    a parent of -1 marks a node whose ancestors are outside the mask)."""
+    n = len(parents)
+    mask = torch.eye(n, dtype=torch.bool)
+    for i in range(n):
+        if parents[i] >= 0:
+            mask[i] |= mask[parents[i]]
+    return mask
+
+
 def build_tree_buffers(parents: Sequence[int]) -> TreeBuffers:
     """The tree buffers of a BFS-ordered parents list (parents[0] == -1, parents[i] < i)."""
     n = len(parents)
     if n == 0 or parents[0] != -1 or any(not 0 <= parents[i] < i for i in range(1, n)):
         raise ValueError(f"parents must start with -1 and point backwards, got {list(parents)}")
     depths = node_depths(parents)
-    mask = torch.eye(n, dtype=torch.bool)
-    for i in range(1, n):
-        mask[i] |= mask[parents[i]]
+    mask = tree_mask(parents)
     has_child = [False] * n
     for i in range(1, n):
         has_child[parents[i]] = True

@@ -28,21 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .tree import children_lists
-
-
-@dataclass
-class TokenTree:
-    """One request's proposal for one step, BFS-ordered (see tree.py); node 0 is the root."""
-
-    tokens: list[int]  # [n]
-    parents: list[int]  # [n]
-    draft_probs: torch.Tensor | None = None  # [m, V] float32 q at expanded nodes; None: no q
-    prob_row: list[int] | None = None  # [n] row of draft_probs for each node, -1 if none
-    draft_rows: list[int] | None = None  # [n] draft forward index (KV at root + 1 + j), -1 if none
-
-    def __len__(self) -> int:
-        return len(self.tokens)
+from .tree import TokenTree, children_lists
 
 
 @dataclass

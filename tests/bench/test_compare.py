@@ -91,13 +91,13 @@ def test_row_summary_and_roofline_from_known_numbers() -> None:
     assisted = Sample(list(range(12)), 1.0, 0.1, 4, prefill_forwards=0)
     assert Row("assisted", [[assisted]]).acceptance_length == pytest.approx(3.0)
     # The stage profile comes from each prompt's best round: 10 tokens in 1.0 s.
-    fast = Sample([0] * 10, 1.0, 0.1, 10, {"draft": 0.1, "verify": 0.5, "schedule": 0.0,
-                                          "accept": 0.1})
-    slow = Sample([0] * 10, 2.0, 0.1, 10, {"draft": 1.0, "verify": 0.5, "schedule": 0.0,
-                                          "accept": 0.1})
+    fast = Sample([0] * 10, 1.0, 0.1, 10, {"draft": 0.1, "target_forward": 0.5,
+                                          "verify": 0.0, "schedule": 0.0, "commit": 0.1})
+    slow = Sample([0] * 10, 2.0, 0.1, 10, {"draft": 1.0, "target_forward": 0.5,
+                                          "verify": 0.0, "schedule": 0.0, "commit": 0.1})
     stages = Row("spec", [[slow], [fast]]).stage_ms_per_token
-    assert stages == pytest.approx({"draft": 10.0, "verify": 50.0, "schedule": 0.0,
-                                    "accept": 10.0, "other": 30.0})
+    assert stages == pytest.approx({"draft": 10.0, "target_forward": 50.0, "verify": 0.0,
+                                    "schedule": 0.0, "commit": 10.0, "other": 30.0})
 
     assert roofline_fraction(1e9, 0.1, 2e10) == pytest.approx(0.5)
     result = PairResult(Pair("p", Path("t"), Path("d")), 2, [row], target_weight_bytes=29_000_000,

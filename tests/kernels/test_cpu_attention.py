@@ -1,4 +1,5 @@
-"""The AVX-512 BF16 CPU attention kernel (kernels/cpu_attention.c) against its reference."""
+"""The CPU attention kernel (kernels/cpu_attention.c) against its reference, on every ISA path
+this CPU runs (the `cpu_isa` fixture)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ from paged_cases import (
     make_batch,
     mixed_requests,
 )
-from specserve.kernels import cpu_attention, cpu_build, paged_attention
+from specserve.kernels import cpu_attention, paged_attention
 
-pytestmark = pytest.mark.skipif(cpu_build.library() is None,
-                                reason="no AVX-512 BF16 CPU or no C compiler")
+pytestmark = pytest.mark.usefixtures("cpu_isa")
+
 
 def requests(seed: int) -> list:
     return [*mixed_requests(seed), (300, DECODE)]  # and a decode over many pages
@@ -70,3 +71,18 @@ def test_head_dim_48_runs_in_the_kernel():
                        dtype=torch.bfloat16)
     out = paged_attention(*batch.args(), impl="cpu")
     torch.testing.assert_close(out.double(), brute_force_attention(batch), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim", [(4, 2, 64), (8, 1, 128)])
+def test_a_chain_row_equals_the_same_token_decoded_alone(num_q_heads, num_kv_heads, head_dim):
+    """Row-count invariance: row i of a verified chain (context c, 7 new tokens) is bit-identical
+    to decoding that token alone over context c + i, and to the chain batched with others."""
+    chain = make_batch([(40, causal(7)), (300, DECODE), (5, causal(3))], num_q_heads=num_q_heads,
+                       num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=torch.bfloat16)
+    together = paged_attention(*chain.args(), impl="cpu")  # [11, Hq, D]
+    for i in range(7):
+        alone = paged_attention(
+            chain.q[i : i + 1], chain.k_cache, chain.v_cache, chain.block_tables[:1],
+            torch.tensor([0, 1], dtype=torch.int32), torch.tensor([40 + i], dtype=torch.int32),
+            None, chain.scale, 1, impl="cpu")
+        assert torch.equal(alone[0], together[i]), f"chain row {i}"

@@ -1,4 +1,5 @@
-"""The AVX-512 BF16 CPU kernel (kernels/cpu_gemv.c) against its reference, F.linear in fp32."""
+"""The CPU matrix-vector kernel (kernels/cpu_gemv.c) against its reference, F.linear in fp32,
+on every ISA path this CPU runs (the `cpu_isa` fixture)."""
 
 from __future__ import annotations
 
@@ -7,25 +8,42 @@ import torch
 import torch.nn.functional as F
 from specserve.kernels import cpu_linear
 
-requires_kernel = pytest.mark.skipif(not cpu_linear.available(),
-                                     reason="no AVX-512 BF16 CPU or no C compiler")
-
 
 def _bf16(*shape: int, seed: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
 
 
-@requires_kernel
 @pytest.mark.parametrize("m", [1, 3, 5, 7, 8, 9, 17, 32])
 @pytest.mark.parametrize("n,k", [(1, 32), (5, 1000), (77, 1024), (4096, 256), (130, 4864),
                                  (9, 2048), (3, 7)])
-def test_gemv_matches_fp32_reference(m: int, n: int, k: int):
+def test_gemv_matches_fp32_reference(cpu_isa: str, m: int, n: int, k: int):
     x, w = _bf16(m, k, seed=m), _bf16(n, k, seed=n + k)
     want = F.linear(x.float(), w.float())  # [m, n]: bf16 products are exact in fp32
     got = cpu_linear.gemv_bf16(x, w)
     assert got.dtype == torch.float32 and got.shape == (m, n)
     # Only the fp32 summation order differs.
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * k ** 0.5)
+
+
+@pytest.mark.parametrize("n,k", [(77, 1024), (130, 4864), (9, 2048), (33, 1000), (5, 7)])
+def test_a_row_is_bit_identical_alone_or_among_other_rows(cpu_isa: str, n: int, k: int):
+    """Fixed reduction order per output element: a row's results do not depend on how many
+    rows share the call (2..MAX_ROWS, every blocking shape) nor on the thread count."""
+    x, w = _bf16(cpu_linear.MAX_ROWS, k, seed=k), _bf16(n, k, seed=n)
+    alone = torch.cat([cpu_linear.gemv_bf16(x[j : j + 1], w) for j in range(len(x))])  # [32, n]
+    for m in range(2, cpu_linear.MAX_ROWS + 1):
+        together = cpu_linear.gemv_bf16(x[:m], w)  # [m, n]
+        assert torch.equal(together, alone[:m]), f"{m} rows change a row's result"
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(cpu_linear.gemv_bf16(x[:5], w), alone[:5])
+    finally:
+        torch.set_num_threads(threads)
+    # The layer path (bias, bf16 rounding in the kernel) keeps it too.
+    b = _bf16(n, seed=7)
+    one = torch.cat([cpu_linear.linear(x[j : j + 1], w, b) for j in range(16)])
+    assert torch.equal(cpu_linear.linear(x[:16], w, b), one)
 
 
 class RecordingLibrary:
@@ -40,10 +58,9 @@ class RecordingLibrary:
         return self.real.gemv_bf16(*args)
 
 
-@requires_kernel
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("lead,n", [((2, 3), 48), ((3, 5), 50)], ids=["6x48", "15x50-ragged"])
-def test_linear_takes_the_kernel_for_few_bf16_rows(monkeypatch, with_bias, lead, n):
+def test_linear_takes_the_kernel_for_few_bf16_rows(cpu_isa, monkeypatch, with_bias, lead, n):
     x, w = _bf16(*lead, 64, seed=1), _bf16(n, 64, seed=2)
     b = _bf16(n, seed=3) if with_bias else None
     recorder = RecordingLibrary(cpu_linear._library())
@@ -71,14 +88,12 @@ def test_linear_falls_back_to_f_linear(monkeypatch):
     assert torch.equal(cpu_linear.linear(few, w), F.linear(few, w))
 
 
-@requires_kernel
-def test_gemv_rejects_mismatched_shapes():
+def test_gemv_rejects_mismatched_shapes(cpu_isa):
     with pytest.raises(ValueError, match="features"):
         cpu_linear.gemv_bf16(_bf16(1, 32, seed=0), _bf16(4, 64, seed=0))
 
 
-@requires_kernel
-def test_bf16_model_decode_with_the_kernel_matches_f_linear(tmp_path, monkeypatch):
+def test_bf16_model_decode_with_the_kernel_matches_f_linear(cpu_isa, tmp_path, monkeypatch):
     from specserve.model.loader import load_model
     from specserve.model.runner import ModelRunner, Segment
     from tests.tiny_models import save_model

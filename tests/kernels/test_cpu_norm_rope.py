@@ -1,15 +1,15 @@
-"""The CPU RMSNorm and rotary kernels (kernels/cpu_norm_rope.c) against the PyTorch layers."""
+"""The CPU RMSNorm and rotary kernels (kernels/cpu_norm_rope.c) against the PyTorch layers, on
+every ISA path this CPU runs (the `cpu_isa` fixture)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from specserve.kernels import cpu_build, cpu_norm_rope
+from specserve.kernels import cpu_norm_rope
 
 from specserve.model.layers import RMSNorm, RotaryEmbedding
 
-pytestmark = pytest.mark.skipif(cpu_build.library() is None,
-                                reason="no AVX-512 BF16 CPU or no C compiler")
+pytestmark = pytest.mark.usefixtures("cpu_isa")
 
 
 def _torch_only(monkeypatch):

@@ -1,0 +1,207 @@
+/* Per-ISA vector primitives for the CPU kernels: the kernels are written once against these.
+ *
+ * cpu_build.py defines exactly one of SPECSERVE_ISA_AVX512 (AVX-512 F/BW/VL + BF16),
+ * SPECSERVE_ISA_AVX2 (AVX2 + FMA) or SPECSERVE_ISA_PORTABLE (GCC/Clang vector extensions, no
+ * -m flags). Every primitive gives the same result each time it runs on the same ISA (fixed
+ * lane and reduction order); results may differ between ISAs in fp32 summation order only.
+ *
+ * fp32 vectors, VF lanes (vf):
+ *   vf_zero() vf_set1(a) vf_add(a, b) vf_mul(a, b)
+ *   vf_fmadd(a, b, c) = a * b + c: one rounding on AVX2/AVX-512, two in portable C
+ *   vf_load(p) vf_store(p, v)            fp32 memory
+ *   vf_load_bf16(p)                      VF bf16 values widened to fp32 (exact)
+ *   vf_store_bf16(p, v)                  rounded to nearest even, NaN kept a quiet NaN (as torch)
+ *   vf_reduce_add(v)                     horizontal sum, halves added pairwise
+ *
+ * bf16 dot-product steps (matrix-vector products): a dot_acc sums the products of two bf16
+ * vectors DOT_K values per step, always in the same order:
+ *   dot_load(p)            DOT_K bf16 values as a dot_vec
+ *   dot_load_tail(p, n)    the first n < DOT_K values, the rest zero
+ *   dot_zero() dot_step(acc, x, w) dot_add(a, b) dot_sum(acc) -> float
+ * AVX-512 BF16 multiplies bf16 pairs with VDPBF16PS; AVX2 splits each 16 values into even and
+ * odd lanes (a shift and a mask widen bf16 to fp32 with no shuffles) with one fp32
+ * accumulator each; portable C widens 8 values and multiply-adds them.
+ */
+#ifndef SPECSERVE_CPU_SIMD_H
+#define SPECSERVE_CPU_SIMD_H
+
+#include <stdint.h>
+#include <string.h>
+
+#include "cpu_bf16.h"
+
+#if defined(SPECSERVE_ISA_AVX512) + defined(SPECSERVE_ISA_AVX2) + defined(SPECSERVE_ISA_PORTABLE) != 1
+#error "define exactly one of SPECSERVE_ISA_AVX512, SPECSERVE_ISA_AVX2, SPECSERVE_ISA_PORTABLE"
+#endif
+
+#define SIMD_INLINE static inline __attribute__((always_inline))
+
+#if defined(SPECSERVE_ISA_AVX512)
+#include <immintrin.h>
+
+#define VF 16
+typedef __m512 vf;
+SIMD_INLINE vf vf_zero(void) { return _mm512_setzero_ps(); }
+SIMD_INLINE vf vf_set1(float a) { return _mm512_set1_ps(a); }
+SIMD_INLINE vf vf_add(vf a, vf b) { return _mm512_add_ps(a, b); }
+SIMD_INLINE vf vf_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+SIMD_INLINE vf vf_fmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+SIMD_INLINE vf vf_load(const float *p) { return _mm512_loadu_ps(p); }
+SIMD_INLINE void vf_store(float *p, vf v) { _mm512_storeu_ps(p, v); }
+SIMD_INLINE vf vf_load_bf16(const uint16_t *p) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+SIMD_INLINE void vf_store_bf16(uint16_t *p, vf v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i magnitude = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(magnitude, _mm512_set1_epi32(0x7f800000));
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_srli_epi32(
+        _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    const __m512i bits = _mm512_mask_blend_epi32(nan, rounded, quiet);
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(bits));
+}
+SIMD_INLINE float vf_reduce_add(vf v) {
+    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v),
+                                   _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+#define DOT_K 32
+typedef __m512bh dot_vec;
+typedef __m512 dot_acc;
+SIMD_INLINE dot_vec dot_load(const uint16_t *p) { return (__m512bh)_mm512_loadu_si512(p); }
+SIMD_INLINE dot_vec dot_load_tail(const uint16_t *p, int64_t n) {
+    return (__m512bh)_mm512_maskz_loadu_epi16((__mmask32)((1u << n) - 1u), p);
+}
+SIMD_INLINE dot_acc dot_zero(void) { return _mm512_setzero_ps(); }
+SIMD_INLINE dot_acc dot_step(dot_acc acc, dot_vec x, dot_vec w) {
+    return _mm512_dpbf16_ps(acc, x, w);
+}
+SIMD_INLINE dot_acc dot_add(dot_acc a, dot_acc b) { return _mm512_add_ps(a, b); }
+SIMD_INLINE float dot_sum(dot_acc acc) { return vf_reduce_add(acc); }
+
+#elif defined(SPECSERVE_ISA_AVX2)
+#include <immintrin.h>
+
+#define VF 8
+typedef __m256 vf;
+SIMD_INLINE vf vf_zero(void) { return _mm256_setzero_ps(); }
+SIMD_INLINE vf vf_set1(float a) { return _mm256_set1_ps(a); }
+SIMD_INLINE vf vf_add(vf a, vf b) { return _mm256_add_ps(a, b); }
+SIMD_INLINE vf vf_mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+SIMD_INLINE vf vf_fmadd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+SIMD_INLINE vf vf_load(const float *p) { return _mm256_loadu_ps(p); }
+SIMD_INLINE void vf_store(float *p, vf v) { _mm256_storeu_ps(p, v); }
+SIMD_INLINE vf vf_load_bf16(const uint16_t *p) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+SIMD_INLINE void vf_store_bf16(uint16_t *p, vf v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i magnitude = _mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff));
+    /* magnitude is non-negative as int32, so a signed compare is exact. */
+    const __m256i nan = _mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(0x7f800000));
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i rounded = _mm256_srli_epi32(
+        _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+    const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+    const __m256i bits = _mm256_blendv_epi8(rounded, quiet, nan);
+    /* Values fit 16 bits, so the saturating pack is exact; it works per 128-bit lane. */
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(bits, bits), 0xD8);
+    _mm_storeu_si128((__m128i *)p, _mm256_castsi256_si128(packed));
+}
+SIMD_INLINE float vf_reduce_add(vf v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+#define DOT_K 16
+typedef struct { __m256 even, odd; } dot_vec; /* bf16 values 0, 2, .., 14 and 1, 3, .., 15 */
+typedef struct { __m256 even, odd; } dot_acc;
+SIMD_INLINE dot_vec dot_split(__m256i v) {
+    const dot_vec d = {
+        _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)),
+        _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u)))};
+    return d;
+}
+SIMD_INLINE dot_vec dot_load(const uint16_t *p) {
+    return dot_split(_mm256_loadu_si256((const __m256i *)p));
+}
+SIMD_INLINE dot_vec dot_load_tail(const uint16_t *p, int64_t n) {
+    uint16_t buf[DOT_K] = {0};
+    memcpy(buf, p, (size_t)n * sizeof(uint16_t));
+    return dot_split(_mm256_loadu_si256((const __m256i *)buf));
+}
+SIMD_INLINE dot_acc dot_zero(void) {
+    const dot_acc a = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    return a;
+}
+SIMD_INLINE dot_acc dot_step(dot_acc acc, dot_vec x, dot_vec w) {
+    const dot_acc a = {_mm256_fmadd_ps(x.even, w.even, acc.even),
+                       _mm256_fmadd_ps(x.odd, w.odd, acc.odd)};
+    return a;
+}
+SIMD_INLINE dot_acc dot_add(dot_acc a, dot_acc b) {
+    const dot_acc s = {_mm256_add_ps(a.even, b.even), _mm256_add_ps(a.odd, b.odd)};
+    return s;
+}
+SIMD_INLINE float dot_sum(dot_acc acc) { return vf_reduce_add(_mm256_add_ps(acc.even, acc.odd)); }
+
+#else /* SPECSERVE_ISA_PORTABLE */
+/* 32-byte vectors without AVX change the calling convention; every function here is inlined. */
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+#define VF 8
+typedef float vf __attribute__((vector_size(VF * sizeof(float))));
+typedef uint32_t vu __attribute__((vector_size(VF * sizeof(uint32_t))));
+SIMD_INLINE vf vf_zero(void) { return (vf){0}; }
+SIMD_INLINE vf vf_set1(float a) { return (vf){0} + a; }
+SIMD_INLINE vf vf_add(vf a, vf b) { return a + b; }
+SIMD_INLINE vf vf_mul(vf a, vf b) { return a * b; }
+SIMD_INLINE vf vf_fmadd(vf a, vf b, vf c) { return a * b + c; } /* not contracted */
+SIMD_INLINE vf vf_load(const float *p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+SIMD_INLINE void vf_store(float *p, vf v) { memcpy(p, &v, sizeof v); }
+SIMD_INLINE vf vf_load_bf16(const uint16_t *p) {
+    vu u;
+    for (int j = 0; j < VF; j++) u[j] = (uint32_t)p[j] << 16;
+    vf v;
+    memcpy(&v, &u, sizeof v);
+    return v;
+}
+SIMD_INLINE void vf_store_bf16(uint16_t *p, vf v) {
+    for (int j = 0; j < VF; j++) p[j] = f32_to_bf16(v[j]);
+}
+SIMD_INLINE float vf_reduce_add(vf v) {
+    float s4[4], s2[2];
+    for (int j = 0; j < 4; j++) s4[j] = v[j] + v[j + 4];
+    for (int j = 0; j < 2; j++) s2[j] = s4[j] + s4[j + 2];
+    return s2[0] + s2[1];
+}
+
+#define DOT_K VF
+typedef vf dot_vec;
+typedef vf dot_acc;
+SIMD_INLINE dot_vec dot_load(const uint16_t *p) { return vf_load_bf16(p); }
+SIMD_INLINE dot_vec dot_load_tail(const uint16_t *p, int64_t n) {
+    uint16_t buf[DOT_K] = {0};
+    memcpy(buf, p, (size_t)n * sizeof(uint16_t));
+    return vf_load_bf16(buf);
+}
+SIMD_INLINE dot_acc dot_zero(void) { return (vf){0}; }
+SIMD_INLINE dot_acc dot_step(dot_acc acc, dot_vec x, dot_vec w) { return x * w + acc; }
+SIMD_INLINE dot_acc dot_add(dot_acc a, dot_acc b) { return a + b; }
+SIMD_INLINE float dot_sum(dot_acc acc) { return vf_reduce_add(acc); }
+
+#endif
+
+#endif

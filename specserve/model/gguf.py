@@ -1,0 +1,283 @@
+"""Read a llama.cpp GGUF file into the project's checkpoint vocabulary.
+
+`read_gguf(path)` returns a `GGUFCheckpoint`: a transformers config and `ArchSpec` built from the
+file's metadata (architectures `llama` and `qwen2`), the tokenizer's metadata, and every tensor
+as a `GGUFTensor` keyed by its Hugging Face parameter name (`model.layers.0.self_attn.q_proj
+.weight`, ...), so `loader.py` routes them exactly as it routes safetensors.
+
+A `GGUFTensor` keeps the file's own blocks (`raw`, uint8 `[rows, bytes_per_row]`, rows = output
+features as in Hugging Face) so a quantized runtime can use them as they are; `dequantize`
+turns them into a torch tensor through `gguf.quants.dequantize`. llama.cpp's converter permutes
+the rows of `attn_q` / `attn_k` of llama-architecture models for its rotary layout (pairs of
+interleaved rows instead of two halves); the rows are put back here, once, so every consumer sees
+Hugging Face's layout. A block never spans rows, so permuting rows of raw blocks is exact.
+
+The tokenizer is built by transformers from the GGUF (`gguf_file=`), which takes ~15 s for a
+49k vocabulary, so the result is saved once under the cache folder and reloaded from there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize as gguf_dequantize
+
+from .architectures import ArchSpec
+
+SUPPORTED_TYPES = frozenset({
+    GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16,
+    GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1,
+})
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# llama.cpp's converter permutes q/k rows only for these architectures.
+_PERMUTED_ARCHITECTURES = frozenset({"llama"})
+
+# GGUF tensor name -> Hugging Face parameter name.
+_TOP_LEVEL = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_MODULES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLOCK = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+
+
+class GGUFError(ValueError):
+    """A GGUF file that cannot be loaded; the message names the file and, where one, the tensor."""
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor as stored in the file, in Hugging Face orientation.
+
+    shape: `(rows, cols)` = (output features, input features) for matrices, `(n,)` for vectors.
+    raw: uint8 `[rows, bytes_per_row]` of the file's blocks (`[1, bytes]` for a vector).
+    """
+
+    name: str
+    ggml_type: GGMLQuantizationType
+    shape: tuple[int, ...]
+    raw: np.ndarray
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The tensor's values as `dtype`, shape `self.shape`."""
+        values = gguf_dequantize(self.raw, self.ggml_type)  # float32 [rows, cols]
+        if not values.flags.writeable:  # a float32 view of the read-only memory map
+            values = values.copy()
+        return torch.from_numpy(values.reshape(self.shape)).to(dtype)
+
+
+@dataclass(frozen=True)
+class GGUFTokenizerInfo:
+    """The tokenizer metadata of the file (the tokenizer itself: `load_gguf_tokenizer`)."""
+
+    model: str  # "gpt2" (byte-level BPE), "llama" (sentencepiece), ...
+    vocab_size: int
+    bos_token_id: int | None
+    eos_token_id: int | None
+    pad_token_id: int | None
+    chat_template: str | None
+
+
+@dataclass(frozen=True)
+class GGUFCheckpoint:
+    path: Path
+    architecture: str  # the file's general.architecture: "llama" | "qwen2"
+    config: object  # transformers PretrainedConfig equivalent to the model's config.json
+    spec: ArchSpec
+    tokenizer: GGUFTokenizerInfo
+    tensors: dict[str, GGUFTensor]
+
+    @property
+    def file_type(self) -> str:
+        """The most common matrix type, e.g. "Q4_1" (what llama.cpp calls the file's type)."""
+        types = [t.ggml_type.name for t in self.tensors.values() if len(t.shape) == 2]
+        return max(set(types), key=types.count) if types else "F32"
+
+
+def _field(reader: GGUFReader, key: str, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def read_gguf(path: str | Path) -> GGUFCheckpoint:
+    """Parse `path`: metadata into a config, tensors into `GGUFTensor`s (memory-mapped)."""
+    path = Path(path)
+    if not path.is_file():
+        raise GGUFError(f"{path}: no such GGUF file")
+    try:
+        reader = GGUFReader(path)
+    except Exception as exc:  # gguf raises ValueError/struct.error/... on a bad file
+        raise GGUFError(f"{path}: cannot be read as GGUF (truncated or corrupt?): {exc}") from exc
+    arch = _field(reader, "general.architecture")
+    if arch not in _ARCHITECTURES:
+        raise GGUFError(f"{path}: unsupported GGUF architecture {arch!r}; supported: "
+                        f"{', '.join(_ARCHITECTURES)}")
+    tensors = {}
+    for t in reader.tensors:
+        tensor = _tensor(path, arch, t, reader)
+        tensors[tensor.name] = tensor
+    config = _hf_config(path, arch, reader, tensors)
+    tokenizer = GGUFTokenizerInfo(
+        model=_field(reader, "tokenizer.ggml.model", ""),
+        vocab_size=config.vocab_size,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+        pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"),
+        chat_template=_field(reader, "tokenizer.chat_template"),
+    )
+    try:
+        spec = ArchSpec.from_hf_config(config)
+    except ValueError as exc:
+        raise GGUFError(f"{path}: {exc}") from exc
+    return GGUFCheckpoint(path, arch, config, spec, tokenizer, tensors)
+
+
+def _hf_name(path: Path, gguf_name: str) -> str:
+    if gguf_name in _TOP_LEVEL:
+        return _TOP_LEVEL[gguf_name]
+    m = _BLOCK.match(gguf_name)
+    if m is None or m.group(2) not in _BLOCK_MODULES:
+        raise GGUFError(f"{path}: unsupported tensor {gguf_name!r} (not part of a llama/qwen2 "
+                        f"decoder this loader knows)")
+    layer, module, kind = m.groups()
+    return f"model.layers.{layer}.{_BLOCK_MODULES[module]}.{kind}"
+
+
+def _tensor(path: Path, arch: str, t, reader: GGUFReader) -> GGUFTensor:
+    qtype = GGMLQuantizationType(t.tensor_type)
+    if qtype not in SUPPORTED_TYPES:
+        raise GGUFError(f"{path}: tensor {t.name!r} has type {qtype.name}; supported types: "
+                        f"{', '.join(sorted(q.name for q in SUPPORTED_TYPES))}")
+    name = _hf_name(path, t.name)
+    dims = [int(d) for d in t.shape]  # GGUF order: fastest-varying (input features) first
+    if len(dims) not in (1, 2):
+        raise GGUFError(f"{path}: tensor {t.name!r} has {len(dims)} dimensions; expected 1 or 2")
+    shape = tuple(reversed(dims))
+    rows = shape[0] if len(shape) == 2 else 1
+    block, block_bytes = GGML_QUANT_SIZES[qtype]
+    cols = shape[-1]
+    if cols % block:
+        raise GGUFError(f"{path}: tensor {t.name!r}: {cols} columns is not a multiple of the "
+                        f"{qtype.name} block of {block}")
+    raw = np.asarray(t.data).view(np.uint8).reshape(rows, cols // block * block_bytes)
+    if arch in _PERMUTED_ARCHITECTURES and name.endswith(("q_proj.weight", "k_proj.weight",
+                                                          "q_proj.bias", "k_proj.bias")):
+        heads = _field(reader, f"{arch}.attention.head_count")
+        if "k_proj" in name:  # k is permuted per KV head
+            heads = _field(reader, f"{arch}.attention.head_count_kv", heads)
+        raw = _unpermute_rows(raw, shape, qtype, heads)
+    return GGUFTensor(name, qtype, shape, raw)
+
+
+def _unpermute_rows(raw: np.ndarray, shape: tuple[int, ...], qtype: GGMLQuantizationType,
+                    heads: int) -> np.ndarray:
+    """Undo llama.cpp's rotary row permutation of a q or k projection.
+
+    The converter maps each head's rows [first half | second half] to interleaved pairs
+    (row 2i = first-half row i, row 2i + 1 = second-half row i). Weights permute whole rows; a
+    bias (a vector) permutes its elements, which only float types store one by one.
+    """
+    if len(shape) == 1:
+        if qtype not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16,
+                         GGMLQuantizationType.BF16):
+            raise GGUFError(f"a {qtype.name} q/k bias cannot be un-permuted; expected a float type")
+        n = shape[0]
+        return _unpermute_rows(raw.reshape(n, -1), (n, 1), qtype, heads).reshape(1, -1)
+    rows = shape[0]
+    half = rows // heads // 2
+    out = raw.reshape(heads, half, 2, -1).swapaxes(1, 2)  # [heads, 2, half, bytes]
+    return np.ascontiguousarray(out).reshape(rows, -1)
+
+
+def _hf_config(path: Path, arch: str, reader: GGUFReader, tensors: dict[str, GGUFTensor]):
+    from transformers import LlamaConfig, Qwen2Config
+
+    def get(key: str, default=None):
+        return _field(reader, f"{arch}.{key}", default)
+
+    embed = tensors.get("model.embed_tokens.weight")
+    if embed is None:
+        raise GGUFError(f"{path}: no token_embd.weight tensor")
+    heads = get("attention.head_count")
+    hidden = get("embedding_length")
+    if heads is None or hidden is None or get("block_count") is None:
+        raise GGUFError(f"{path}: metadata lacks {arch}.attention.head_count, "
+                        f"{arch}.embedding_length or {arch}.block_count")
+    scaling = get("rope.scaling.type", "none")
+    rope = {"rope_type": "default", "rope_theta": float(get("rope.freq_base", 10000.0))}
+    if scaling == "linear":
+        rope.update(rope_type="linear", factor=float(get("rope.scaling.factor")))
+    elif scaling != "none":
+        raise GGUFError(f"{path}: rope scaling {scaling!r} is not supported")
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[arch]
+    return cls(
+        architectures=[_ARCHITECTURES[arch]],
+        vocab_size=embed.shape[0],
+        hidden_size=hidden,
+        intermediate_size=get("feed_forward_length"),
+        num_hidden_layers=get("block_count"),
+        num_attention_heads=heads,
+        num_key_value_heads=get("attention.head_count_kv", heads),
+        head_dim=get("attention.key_length", hidden // heads),
+        max_position_embeddings=get("context_length", 2048),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_parameters=rope,
+        tie_word_embeddings="lm_head.weight" not in tensors,
+        attention_bias="model.layers.0.self_attn.q_proj.bias" in tensors,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+        pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"),
+    )
+
+
+def cache_dir() -> Path:
+    """Where derived files live: $SPECSERVE_CACHE, else ~/.cache/specserve."""
+    return Path(os.environ.get("SPECSERVE_CACHE", Path.home() / ".cache" / "specserve"))
+
+
+def file_key(path: str | Path) -> str:
+    """A short key for a file's identity (resolved path, size, modification time)."""
+    p = Path(path).resolve()
+    st = p.stat()
+    return hashlib.sha256(f"{p}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+
+
+def load_gguf_tokenizer(path: str | Path):
+    """The file's tokenizer as a transformers fast tokenizer, cached after the first build."""
+    from transformers import AutoTokenizer
+
+    path = Path(path)
+    cached = cache_dir() / "gguf-tokenizers" / f"{path.stem}-{file_key(path)}"
+    if (cached / "tokenizer.json").is_file():
+        return AutoTokenizer.from_pretrained(cached, local_files_only=True)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name,
+                                                  local_files_only=True)
+    except Exception as exc:  # transformers raises many types for an unreadable tokenizer
+        raise GGUFError(f"{path}: tokenizer cannot be built from the GGUF: {exc}") from exc
+    tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
+    tokenizer.save_pretrained(tmp)
+    try:
+        os.replace(tmp, cached)
+    except OSError:  # another process cached it first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return tokenizer

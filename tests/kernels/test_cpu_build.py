@@ -1,0 +1,71 @@
+"""ISA selection of the C kernels (SPECSERVE_CPU_ISA) and a compile check of every ISA path,
+so the AVX-512 code keeps compiling on machines that cannot run it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+import pytest
+from specserve.kernels import cpu_build
+
+
+@pytest.fixture
+def isa_env(monkeypatch: pytest.MonkeyPatch):
+    """Set SPECSERVE_CPU_ISA (None: unset) and pretend the CPU has the given flags."""
+
+    def set_env(value: str | None, flags: set[str]) -> None:
+        if value is None:
+            monkeypatch.delenv("SPECSERVE_CPU_ISA", raising=False)
+        else:
+            monkeypatch.setenv("SPECSERVE_CPU_ISA", value)
+        monkeypatch.setattr(cpu_build, "_cpu_flags", lambda: frozenset(flags))
+        cpu_build.selected_isa.cache_clear()
+
+    yield set_env
+    cpu_build.selected_isa.cache_clear()
+
+
+AVX512_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx2", "fma", "f16c"}
+
+
+def test_default_is_the_best_isa_the_cpu_supports(isa_env):
+    isa_env(None, AVX512_FLAGS)
+    assert cpu_build.supported_isas() == ["avx512", "avx2", "portable"]
+    assert cpu_build.selected_isa() == "avx512"
+    isa_env("", {"avx2", "fma", "f16c", "avx"})
+    assert cpu_build.selected_isa() == "avx2"
+    isa_env("auto", {"avx2"})  # AVX2 without FMA is not enough
+    assert cpu_build.selected_isa() == "portable"
+
+
+def test_a_forced_isa_is_used_or_refused(isa_env):
+    isa_env("AVX2", AVX512_FLAGS)
+    assert cpu_build.selected_isa() == "avx2"
+    isa_env("torch", AVX512_FLAGS)
+    assert cpu_build.selected_isa() == "torch" and cpu_build.library() is None
+    isa_env("avx512", {"avx2", "fma"})
+    with pytest.raises(RuntimeError, match="avx512_bf16"):
+        cpu_build.selected_isa()
+    isa_env("sse9", AVX512_FLAGS)
+    with pytest.raises(ValueError, match="SPECSERVE_CPU_ISA='sse9'"):
+        cpu_build.selected_isa()
+
+
+def test_every_listed_function_is_exported_by_its_source():
+    for source, functions in cpu_build.KERNELS.items():
+        text = (cpu_build.HERE / source).read_text()
+        for name in functions:
+            assert f" {name}(" in text, f"{source} does not define {name}"
+
+
+@pytest.mark.parametrize("isa", list(cpu_build.ISA_FLAGS))
+def test_every_isa_path_compiles_without_warnings(isa, tmp_path):
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        pytest.skip("no C compiler")
+    command = cpu_build.compile_command(compiler, isa, tmp_path / "k.so")
+    done = subprocess.run([*command, "-Wall", "-Wextra", "-Werror"], capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stderr[-4000:]
