@@ -1,7 +1,7 @@
 """lm-evaluation-harness (`local-completions`) against a running specserve, on a local task.
 
     specserve serve &                                  # the demo pair on :8000
-    pip install lm-eval                                # not a specserve dependency
+    pip install "lm-eval[api]"                         # not a specserve dependency
     python -m bench.lm_eval_stdlib --base-url http://127.0.0.1:8000 [--batch-size 8] [--limit 40]
 
 The harness's own tasks download their datasets from the Hugging Face hub; this one is built
@@ -93,7 +93,8 @@ def main(argv: list[str] | None = None) -> None:
         import lm_eval
         from lm_eval.tasks import TaskManager
     except ImportError:
-        raise SystemExit("lm-evaluation-harness is not installed: pip install lm-eval") from None
+        raise SystemExit('lm-evaluation-harness is not installed: pip install "lm-eval[api]"'
+                         ) from None
     import httpx
 
     model = args.model or httpx.get(f"{args.base_url}/v1/models").json()["data"][0]["id"]
