@@ -19,12 +19,14 @@ RETRY_AFTER_S = 1
 
 
 class Ticket:
-    """One admitted request. `release` is idempotent; `abort` is set once a stream exists."""
+    """One admitted request, holding `weight` places (its engine requests: an OpenAI request
+    with n choices holds n). `release` is idempotent; `abort` is set once a stream exists."""
 
-    __slots__ = ("_admission", "abort", "released")
+    __slots__ = ("_admission", "abort", "released", "weight")
 
-    def __init__(self, admission: Admission) -> None:
+    def __init__(self, admission: Admission, weight: int) -> None:
         self._admission = admission
+        self.weight = weight
         self.abort: Callable[[], None] | None = None
         self.released = False
 
@@ -52,19 +54,21 @@ class Admission:
 
     @property
     def active(self) -> int:
-        return len(self._tickets)
+        """Places held: the engine requests of every admitted request."""
+        return sum(ticket.weight for ticket in self._tickets)
 
-    def admit(self) -> Ticket:
-        """A ticket, or RequestError `overloaded` (429) / `server_unavailable` (503)."""
+    def admit(self, weight: int = 1) -> Ticket:
+        """A ticket for `weight` engine requests, or RequestError `overloaded` (429) /
+        `server_unavailable` (503)."""
         if self.draining:
             self.num_refused += 1
             raise RequestError("server_unavailable", "the server is shutting down",
                                http_status=503)
-        if len(self._tickets) >= self.capacity:
+        if self.active + weight > self.capacity:
             self.num_refused += 1
             raise RequestError("overloaded", f"the server holds {self.capacity} requests "
                                f"already; retry in {RETRY_AFTER_S} s", http_status=429)
-        ticket = Ticket(self)
+        ticket = Ticket(self, weight)
         self._tickets.add(ticket)
         self._idle.clear()
         return ticket

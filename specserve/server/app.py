@@ -31,7 +31,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket
 
 from ..engine import AsyncEngine
-from . import openai_api
+from . import openai_api, tokenize_api
 from .admission import Admission
 from .auth import (
     SUBPROTOCOL,
@@ -110,8 +110,12 @@ def create_app(engine: AsyncEngine, *, api_key: str | None = None,
         Route("/health", health),
         Route("/metrics", metrics),
         Route("/v1/models", openai_api.list_models),
+        Route("/v1/models/{model:path}", openai_api.retrieve_model),
         Route("/v1/chat/completions", openai_api.chat_completions, methods=["POST"]),
         Route("/v1/completions", openai_api.completions, methods=["POST"]),
+        Route("/tokenize", tokenize_api.tokenize, methods=["POST"]),
+        Route("/detokenize", tokenize_api.detokenize, methods=["POST"]),
+        Route("/tokenizer_info", tokenize_api.tokenizer_info),
         WebSocketRoute("/v1/ws", websocket_endpoint),
         Route("/", index),
         Mount("/static", StaticFiles(directory=static, check_dir=False), name="static"),
@@ -125,13 +129,18 @@ def create_app(engine: AsyncEngine, *, api_key: str | None = None,
     return app
 
 
-_HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
-
-
 async def http_error(request: Request, exc: HTTPException) -> Response:
-    code = _HTTP_CODES.get(exc.status_code, "http_error")
-    return Response(error_body(str(exc.detail), code), exc.status_code,
-                    media_type="application/json", headers=exc.headers)
+    """Routing errors (unknown route 404, wrong method 405, ...) as OpenAI-shaped JSON."""
+    where = f"{request.method} {request.url.path}"
+    if exc.status_code == 404:
+        code, message = "not_found", f"not found: {where}"
+    elif exc.status_code == 405:
+        allowed = (exc.headers or {}).get("Allow", "")
+        code, message = "method_not_allowed", f"method not allowed: {where} (allowed: {allowed})"
+    else:
+        code, message = "http_error", str(exc.detail)
+    return Response(error_body(message, code), exc.status_code, headers=exc.headers,
+                    media_type="application/json")
 
 
 async def internal_error(request: Request, exc: Exception) -> Response:

@@ -15,6 +15,7 @@ import resource
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
+from typing import TypeVar
 
 from ..engine import AsyncEngine
 from ..validation import (
@@ -25,6 +26,8 @@ from ..validation import (
     prepare_request,
     template_roles,
 )
+
+T = TypeVar("T")
 
 
 def _default_max_connections() -> int:
@@ -50,6 +53,7 @@ class ServerLimits(RequestLimits):
     def __post_init__(self) -> None:
         if self.max_connections <= 0:
             object.__setattr__(self, "max_connections", _default_max_connections())
+    max_choices: int = 64  # engine requests one OpenAI request may start (prompts x n)
 
     @classmethod
     def for_engine(cls, engine: AsyncEngine, **overrides) -> ServerLimits:
@@ -92,8 +96,12 @@ class Preparer:
                       **fields) -> PreparedRequest:
         check_request_text(self.facts, self.limits, messages=messages, prompt=prompt,
                            param=param)
-        job = functools.partial(prepare_request, self.facts, self.limits, messages=messages,
-                                prompt=prompt, param=param, **fields)
+        return await self.run(functools.partial(
+            prepare_request, self.facts, self.limits, messages=messages, prompt=prompt,
+            param=param, **fields))
+
+    async def run(self, job: Callable[[], T]) -> T:
+        """Any tokenizer work (its size checked by the caller) on the tokenizer's thread."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, job)
 
     def close(self) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+from dataclasses import replace
 from typing import TYPE_CHECKING, Annotated, Literal
 
 import msgspec
@@ -23,6 +24,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketDiscon
 
 from ..engine import EngineStoppedError, RequestStream
 from ..outputs import RequestDelta
+from ..sampling import MAX_LOGPROBS
 from ..validation import (
     RequestError,
     SpeculationSpec,
@@ -32,6 +34,7 @@ from ..validation import (
 )
 from .admission import Ticket
 from .metrics import request_metrics
+from .openai_logprobs import TokenStrings
 
 if TYPE_CHECKING:
     from .app import ServerState
@@ -58,6 +61,7 @@ class SamplingFields(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
     ignore_eos: bool | UnsetType = UNSET
     speculation: SpeculationSpec | None | UnsetType = UNSET
     speculation_events: bool | UnsetType = UNSET
+    logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None | UnsetType = UNSET
 
 
 class Message(msgspec.Struct, forbid_unknown_fields=True):
@@ -137,6 +141,7 @@ class Session:
         self.id = "sess_" + secrets.token_hex(6)
         self.defaults = SamplingFields()
         self.inflight: dict[str, _InFlight] = {}
+        self.token_strings = TokenStrings(self.engine.tokenizer)
 
     async def send(self, event: dict) -> None:
         await self.ws.send({"type": "websocket.send", "text": orjson.dumps(event).decode()})
@@ -244,7 +249,9 @@ class Session:
                           if params.messages is not UNSET else None),
                 prompt=params.prompt if params.prompt is not UNSET else None,
                 param=lambda name: f"response.{name}", **fields)
-            stream = self.engine.add_request(prepared.prompt_token_ids, prepared.params,
+            logprobs = _merged(params, defaults, "logprobs")
+            stream = self.engine.add_request(prepared.prompt_token_ids,
+                                             replace(prepared.params, logprobs=logprobs),
                                              f"{self.id}/{rid}", prepared.speculation)
         except RequestError as exc:
             await self._refuse(ticket, exc.code, exc.message, exc.param, event_id, rid)
@@ -315,9 +322,12 @@ class Session:
                         await send({"type": "response.speculation.step", "request_id": rid,
                                     "seq": seq, "token_ids": delta.token_ids,
                                     "n_draft_accepted": delta.num_draft_accepted})
-                    await send({"type": "response.output_text.delta", "request_id": rid,
-                                "seq": seq, "delta": delta.text, "n_tokens": n_tokens,
-                                "n_draft_accepted": delta.num_draft_accepted})
+                    event = {"type": "response.output_text.delta", "request_id": rid,
+                             "seq": seq, "delta": delta.text, "n_tokens": n_tokens,
+                             "n_draft_accepted": delta.num_draft_accepted}
+                    if delta.logprobs is not None:
+                        event["logprobs"] = self._logprobs(delta)
+                    await send(event)
                     seq += 1
                     n_out += n_tokens
                 if delta.finished:
@@ -334,6 +344,12 @@ class Session:
                 del self.inflight[rid]
         finally:
             flight.ticket.release()
+
+    def _logprobs(self, delta: RequestDelta) -> list[dict]:
+        strings = self.token_strings
+        return [{"token_id": lp.token_id, "token": strings(lp.token_id), "logprob": lp.logprob,
+                 "top": [{"token_id": t, "token": strings(t), "logprob": v} for t, v in lp.top]}
+                for lp in delta.logprobs]
 
     def _done(self, rid: str, flight: _InFlight, delta: RequestDelta, n_prompt: int,
               n_out: int) -> dict:
