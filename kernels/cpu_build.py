@@ -64,6 +64,9 @@ KERNELS: dict[str, dict[str, Signature]] = {
         "rms_norm_bf16": ([_p] * 3 + [_i64] * 2 + [_f32], None),
         "rotary_bf16": ([_p] + [_i64] * 4 + [_p] * 2 + [_i64, _p], ctypes.c_int),
     },
+    "cpu_quant.c": {
+        "quant_matmul": ([_p, _i32, _p, _i32, _p, _p, _i32] + [_i64] * 3 + [_i32], ctypes.c_int),
+    },
 }
 
 # Best first. `required` are /proc/cpuinfo flag names.

@@ -26,11 +26,16 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                    "ngram:K | adaptive (default: the best mode for what is loaded)")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    p.add_argument("--quantization", help="weight-only quantization of the target: int8 | int4 "
+                   "(default: none)")
+    p.add_argument("--draft-quantization", help="the draft's: int8 | int4 | none (default: the "
+                   "target's)")
 
 
 def _engine_options(args: argparse.Namespace) -> dict:
     return dict(target=args.target, draft=args.draft, speculation=args.speculation,  # noqa: C408
-                dtype=args.dtype, device=args.device)
+                dtype=args.dtype, device=args.device, quantization=args.quantization,
+                draft_quantization=args.draft_quantization)
 
 
 # ---- serve --------------------------------------------------------------------------------

@@ -48,8 +48,9 @@ class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.tokenizer = load_tokenizer(config.target)
-        self.target = load_model(config.target, config.dtype, config.device)
-        self.draft = load_model(config.draft, config.dtype, config.device) if config.draft else None
+        self.target = load_model(config.target, config.dtype, config.device, config.quantization)
+        self.draft = (load_model(config.draft, config.dtype, config.device,
+                                 config.draft_quantization) if config.draft else None)
         if self.draft is not None:
             _check_same_vocabulary(config.target, config.draft, self.tokenizer)
         if str(config.device).startswith("cpu"):
