@@ -67,4 +67,5 @@ class LLM:
             for r in requests:  # an exception mid-run must not leave blocks held
                 engine.abort(r.request_id)
         return [RequestOutput(r.request_id, r.prompt_token_ids, list(r.output_token_ids),
-                              r.output_text, r.finish_reason, r.metrics()) for r in requests]
+                              r.output_text, r.finish_reason, r.metrics(), r.logprobs,
+                              r.prompt_logprobs) for r in requests]

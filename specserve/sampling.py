@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+MAX_LOGPROBS = 20  # most alternatives a request may ask for at each position (vLLM's default)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -28,6 +30,10 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    # Return the target's log-probability of every output (prompt) token and this many of the
+    # likeliest alternatives at each position; None: none.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and frozen into a tuple so the params stay hashable.
@@ -47,6 +53,10 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must be non-empty strings")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}] or None, got {value}")
 
     @property
     def greedy(self) -> bool:

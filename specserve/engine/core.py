@@ -7,7 +7,8 @@ protocol. Requests that sample this step get a verdict (accepted path + bonus/re
 committing it moves the accepted path's KV into place in both caches, advances the request's
 `KVProgress`, commits tokens one at a time through the stop conditions, and either finishes the
 request (its blocks return before the next step is scheduled) or offers its full blocks to the
-prefix cache.
+prefix cache. Requests that asked for log-probabilities get them from this same forward
+(`logprobs.py`).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from ..spec.tree import TokenTree, build_tree_buffers, node_depths
 from ..spec.verify import Verdict, verify_greedy, verify_sampled
 from .block_manager import BlockManager
 from .interface import EngineLimits, EngineStats, KVPoolStats, ModelInfo
+from .logprobs import chunked_token_logprobs, token_logprobs
 from .request import Request
 from .scheduler import ScheduledRequest, Scheduler
 
@@ -155,7 +157,8 @@ class EngineCore:
     @property
     def limits(self) -> EngineLimits:
         blocks = self.block_manager
-        return EngineLimits(self.max_model_len, blocks.num_blocks * blocks.block_size)
+        return EngineLimits(self.max_model_len, blocks.num_blocks * blocks.block_size,
+                            self.config.scheduler.max_num_seqs)
 
     def kv_pool(self) -> KVPoolStats:
         blocks = self.block_manager
@@ -194,7 +197,8 @@ class EngineCore:
         timer.lap("draft")
         segments = [self._target_segment(item, trees.get(item.request.request_id))
                     for item in out.scheduled]
-        logits = self.runner.forward(segments)
+        hidden: list[torch.Tensor] = []  # per segment, its hidden_rows (prompt logprobs)
+        logits = self.runner.forward(segments, hidden)
         timer.lap("target_forward")
         verdicts = self._verify(out.scheduled, trees, segments, logits)
         timer.lap("verify")
@@ -202,6 +206,7 @@ class EngineCore:
         deltas = [self._commit(item, tree, verdict, modes.get(item.request.request_id, OFF),
                                now)
                   for item, tree, verdict in verdicts]
+        self._score(out.scheduled, segments, logits, hidden, verdicts, deltas)
         timer.lap("commit")
         self._record_step(out.scheduled, timer, segments, levels)
         return deltas
@@ -254,8 +259,12 @@ class EngineCore:
                            req.block_table, range(len(tree)), buffers.tree_mask)
         end = start + item.num_new_tokens
         samples = end == req.num_tokens
+        hidden_rows = ()
+        if req.needs_prompt_logprobs:  # rows predicting prompt tokens not yet scored
+            first = max(start, len(req.prompt_logprobs) - 1)
+            hidden_rows = range(first - start, min(end, len(req.prompt_token_ids) - 1) - start)
         return Segment(req.all_token_ids[start:end], range(start, end), start, req.block_table,
-                       [item.num_new_tokens - 1] if samples else [])
+                       [item.num_new_tokens - 1] if samples else [], hidden_rows=hidden_rows)
 
     def _verify(self, scheduled: list[ScheduledRequest], trees: dict[str, TokenTree],
                 segments: list[Segment], logits: list[torch.Tensor]
@@ -282,6 +291,47 @@ class EngineCore:
                 verdict = verify_sampled(tree, process_logits(lg, req.params), req.generator)
             verdicts.append((item, tree, verdict))
         return verdicts
+
+    def _score(self, scheduled: list[ScheduledRequest], segments: list[Segment],
+               logits: list[torch.Tensor], hidden: list[torch.Tensor],
+               verdicts: list[tuple[ScheduledRequest, TokenTree, Verdict]],
+               deltas: list[RequestDelta]) -> None:
+        """Log-probabilities where requests asked for them: of prompt tokens from this step's
+        hidden rows, of committed tokens from the verify logits (no extra forward). The prompt's
+        ride on the request's first delta."""
+        for item, seg, hid in zip(scheduled, segments, hidden):
+            if seg.hidden_rows:
+                self._score_prompt(item.request, seg, hid)
+        verify_logits = {item.request.request_id: lg for item, lg in zip(scheduled, logits)}
+        scored = []  # (request, its delta, verify logits rows of its committed tokens)
+        for (item, _, verdict), delta in zip(verdicts, deltas):
+            req = item.request
+            if req.logprobs is not None:
+                # Each committed token is scored from its parent's row: root, accepted nodes.
+                rows = ([0] + verdict.accepted)[:len(delta.token_ids)]
+                scored.append((req, delta, verify_logits[req.request_id][rows]))
+            if req.prompt_logprobs is not None and \
+                    len(req.output_token_ids) == len(delta.token_ids):  # the first delta
+                delta.prompt_logprobs = req.prompt_logprobs
+        if scored:
+            self._score_outputs(scored)
+
+    def _score_prompt(self, req: Request, seg: Segment, hidden: torch.Tensor) -> None:
+        """Prompt log-probabilities of the tokens this chunk's hidden rows predict."""
+        first = seg.start + seg.hidden_rows[0] + 1  # the first prompt token scored
+        targets = req.prompt_token_ids[first:first + len(seg.hidden_rows)]
+        req.prompt_logprobs += chunked_token_logprobs(hidden, targets, req.params.prompt_logprobs,
+                                                      self.runner.logits)
+
+    def _score_outputs(self, scored: list[tuple[Request, RequestDelta, torch.Tensor]]) -> None:
+        """Log-probabilities of every token committed this step, in one call."""
+        rows = torch.cat([lg for _, _, lg in scored])  # [committed tokens, V]
+        token_ids = [t for _, delta, _ in scored for t in delta.token_ids]
+        counts = [req.params.logprobs for req, delta, _ in scored for _ in delta.token_ids]
+        logprobs = iter(token_logprobs(rows, token_ids, counts))
+        for req, delta, _ in scored:
+            delta.logprobs = [next(logprobs) for _ in delta.token_ids]
+            req.logprobs += delta.logprobs
 
     def _commit(self, item: ScheduledRequest, tree: TokenTree, verdict: Verdict,
                 mode: SpecMode, now: float) -> RequestDelta:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..outputs import TokenLogprob
 from ..sampling import SamplingParams, make_generator
 from .detokenizer import IncrementalDetokenizer
 
@@ -104,6 +105,12 @@ class Request:
         self.num_emitted_chars = 0
         self._holdback = max((len(s) for s in params.stop), default=1) - 1
 
+        # The target's log-probabilities, when asked for: one per output token, and one per
+        # prompt token (None for the first, which nothing predicts), filled in as computed.
+        self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        self.prompt_logprobs: list[TokenLogprob | None] | None = (
+            [None] if params.prompt_logprobs is not None else None)
+
         self.spec = SpecStats()
         self.arrival_time = time.monotonic()
         self.first_scheduled_time: float | None = None
@@ -137,6 +144,12 @@ class Request:
     def is_decoding(self) -> bool:
         """Only the last committed token (the next tree's root) lacks KV."""
         return bool(self.output_token_ids) and self.num_uncomputed == 1
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt log-probabilities are asked for and not all computed yet."""
+        done = self.prompt_logprobs
+        return done is not None and len(done) < len(self.prompt_token_ids)
 
     @property
     def remaining_tokens(self) -> int:

@@ -117,6 +117,8 @@ class Scheduler:
                 start_block=len(req.block_hashes))
         # At least one token must be computed, to produce the logits of the next one.
         max_hit_blocks = (len(tokens) - 1) // bs
+        if req.needs_prompt_logprobs:  # cached positions would have no hidden states to score
+            max_hit_blocks = 0
         hits = self.blocks.lookup_prefix(req.block_hashes[:max_hit_blocks])
         num_cached = len(hits) * bs
         num_new = min(len(tokens) - num_cached, budget)

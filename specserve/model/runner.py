@@ -35,6 +35,7 @@ class Segment:
     block_table: Sequence[int]
     logit_rows: Sequence[int]  # local rows whose logits are wanted
     mask: torch.Tensor | None = None  # [n, n] bool, row i sees token j; None = causal
+    hidden_rows: Sequence[int] = ()  # local rows whose final hidden states are wanted
 
 
 def kv_bytes_per_block(model: DecoderLM, block_size: int, dtype: torch.dtype) -> int:
@@ -61,8 +62,19 @@ class ModelRunner:
         return [block_table[p // bs] * bs + p % bs for p in positions]
 
     @torch.inference_mode()
-    def forward(self, segments: Sequence[Segment]) -> list[torch.Tensor]:
-        """Run one forward; returns per segment the float32 logits [len(logit_rows), vocab]."""
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head over final hidden states: [k, H] -> float32 [k, vocab]."""
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def forward(self, segments: Sequence[Segment],
+                hidden_out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """Run one forward; returns per segment the float32 logits [len(logit_rows), vocab].
+
+        With `hidden_out` (a list), also appends per segment the final hidden states of its
+        `hidden_rows` ([len(hidden_rows), H]); the caller applies `logits` to them in chunks of
+        its choosing, so no [rows, vocab] tensor of a whole prompt is ever needed.
+        """
         ids, positions, slot_mapping, logit_rows = [], [], [], []
         query_start, context_lens = [0], []
         max_blocks = max(len(s.block_table) for s in segments)
@@ -91,6 +103,11 @@ class ModelRunner:
                             torch.tensor(positions, device=self.device), self.kv_cache, meta)
         rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
         logits = self.model.compute_logits(hidden[rows])
+        if hidden_out is not None:
+            hidden_out += [hidden[start + torch.tensor(seg.hidden_rows, dtype=torch.long,
+                                                       device=self.device)]
+                           if seg.hidden_rows else hidden[:0]
+                           for seg, start in zip(segments, query_start)]
         return list(logits.split([len(s.logit_rows) for s in segments]))
 
     def _local_mask(self, segments: Sequence[Segment], query_start: list[int], max_q: int

@@ -1,11 +1,17 @@
 """OpenAI-compatible HTTP routes: `/v1/models`, `/v1/chat/completions`, `/v1/completions`.
 
 Request bodies are decoded with orjson and checked with msgspec structs that ignore fields we
-do not use (OpenAI clients send many), then go through the same `prepare_request` as WebSocket
-requests. Streaming answers are server-sent events, one chunk per engine step that produced
-text, ending with `data: [DONE]`. A client that goes away mid-request cancels it: a watcher
-task waits for `http.disconnect` and aborts the engine request, so its KV blocks come back even
-while no text is being written.
+do not use (OpenAI clients send many) and take `null` for every optional one; fields asking for
+something this server does not do (tools, structured output, penalties) are refused with a 400
+naming them. Each prompt then goes through the same `prepare_request` as WebSocket requests.
+One HTTP request may start several engine requests: prompts x `n` (or `best_of`) choices,
+streamed side by side. Streaming answers are server-sent events, one chunk per engine step and
+choice that produced text (or log-probabilities), ending with `data: [DONE]`. A client that goes
+away mid-request cancels it: a watcher task waits for `http.disconnect` and aborts every engine
+request of it, so KV blocks come back even while no text is being written. A stream the server
+ends (an engine error, or the drain at shutdown) sends an error chunk (`data: {"error": ...}`)
+before `[DONE]`. Every request holds an admission ticket (`admission.py`), weighted by its engine
+requests, from before it is prepared until its stream ends.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import asyncio
 import secrets
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import TYPE_CHECKING, Annotated
 
 import msgspec
@@ -23,10 +30,24 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from ..engine import EngineStoppedError, RequestStream
-from ..outputs import RequestDelta
+from ..outputs import RequestDelta, TokenLogprob
+from ..sampling import MAX_LOGPROBS, SamplingParams
+from ..validation import (
+    PreparedRequest,
+    RequestError,
+    SpeculationSpec,
+    StopSpec,
+    validation_param,
+)
+from .admission import RETRY_AFTER_S, Ticket
 from .auth import error_body
-from .limits import PreparedRequest, RequestError, prepare_request, validation_param
 from .metrics import request_metrics
+from .openai_logprobs import (
+    CompletionLogprobs,
+    TokenStrings,
+    chat_logprobs,
+    merge_completion_logprobs,
+)
 
 if TYPE_CHECKING:
     from .app import ServerState
@@ -36,43 +57,64 @@ _FINISH = {"stop": "stop", "length": "length", "abort": "abort", "error": "error
 
 
 class StreamOptions(msgspec.Struct):
-    include_usage: bool = False
+    include_usage: bool | None = False
 
 
 class ChatMessage(msgspec.Struct):
-    role: str
-    content: str | list[dict] | None = None
+    role: str  # checked against the chat template's roles by validation
+    content: str | list[dict] | None = None  # text parts only; validation checks each
 
 
 class _Common(msgspec.Struct, kw_only=True):
+    # Every optional field takes null, as OpenAI's API does (clients send explicit nulls).
     model: str
     temperature: Annotated[float, Meta(ge=0)] | None = None
     top_p: Annotated[float, Meta(gt=0, le=1)] | None = None
-    max_tokens: Annotated[int, Meta(ge=1)] | None = None
-    stop: str | list[str] | None = None
+    max_tokens: Annotated[int, Meta(ge=0)] | None = None  # 0 only for completions with echo
+    stop: StopSpec | None = None
     seed: int | None = None
-    n: int = 1
-    stream: bool = False
+    n: Annotated[int, Meta(ge=1)] | None = None
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
     # specserve extensions (pass with extra_body= from the openai package)
     top_k: Annotated[int, Meta(ge=-1)] | None = None
     ignore_eos: bool | None = None
-    speculation: str | list[list[int]] | None = None
+    speculation: SpeculationSpec | None = None
+    return_tokens_as_token_ids: bool | None = None  # vLLM's: logprob tokens as "token_id:ID"
 
 
 class ChatCompletionRequest(_Common, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    response_format: dict | None = None
 
 
 class CompletionRequest(_Common, kw_only=True):
-    # str, [str] or token ids (msgspec unions allow one list type; _prepare sorts them out)
-    prompt: str | list[str | int]
+    # A string, token ids, or a list of either (msgspec unions allow one list type per level;
+    # _prompts sorts them out).
+    prompt: str | list[str | int | list[int]]
+    echo: bool | None = None
+    logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    best_of: Annotated[int, Meta(ge=1)] | None = None
+    suffix: str | None = None
 
 
 def _error(status: int, message: str, code: str, param: str | None = None) -> Response:
+    headers = {"retry-after": str(RETRY_AFTER_S)} if status == 429 else None
     return Response(error_body(message, code, param=param), status,
-                    media_type="application/json")
+                    media_type="application/json", headers=headers)
+
+
+def _shown(name: str, limit: int = 64) -> str:
+    """A client-sent string as error messages quote it: never more than `limit` characters."""
+    return repr(name) if len(name) <= limit else repr(name[:limit]) + "..."
 
 
 async def _decode(request: Request, cls: type[msgspec.Struct]):
@@ -86,13 +128,26 @@ async def _decode(request: Request, cls: type[msgspec.Struct]):
         raise RequestError("invalid_field", str(exc), validation_param(exc)) from exc
 
 
+def _model_card(state: ServerState) -> dict:
+    return {"id": state.model_name, "object": "model", "created": state.created,
+            "owned_by": "specserve", "root": state.model_root, "parent": None,
+            "max_model_len": state.limits.max_model_len}
+
+
 async def list_models(request: Request) -> Response:
     state: ServerState = request.app.state.server
-    body = {"object": "list", "data": [{
-        "id": state.model_name, "object": "model", "created": state.created,
-        "owned_by": "specserve", "root": state.model_root, "parent": None,
-        "max_model_len": state.limits.max_model_len}]}
+    body = {"object": "list", "data": [_model_card(state)]}
     return Response(orjson.dumps(body), media_type="application/json")
+
+
+async def retrieve_model(request: Request) -> Response:
+    """`GET /v1/models/{id}` (the SDK's `models.retrieve`); ids may contain slashes."""
+    state: ServerState = request.app.state.server
+    model = request.path_params["model"]
+    if model not in (state.model_name, state.model_root):
+        return _error(404, f"the model {_shown(model)} does not exist; this server serves "
+                      f"{state.model_name!r}", "model_not_found", "model")
+    return Response(orjson.dumps(_model_card(state)), media_type="application/json")
 
 
 async def chat_completions(request: Request) -> Response:
@@ -105,41 +160,107 @@ async def completions(request: Request) -> Response:
 
 async def _complete(request: Request, chat: bool) -> Response:
     state: ServerState = request.app.state.server
+    ticket: Ticket | None = None
+    streaming = False
     try:
         body = await _decode(request, ChatCompletionRequest if chat else CompletionRequest)
         if body.model not in (state.model_name, state.model_root):
-            return _error(404, f"the model {body.model!r} does not exist; this server serves "
-                          f"{state.model_name!r}", "model_not_found", "model")
-        if body.n != 1:
-            raise RequestError("invalid_field", "only n=1 is supported", "n")
-        prepared = _prepare(state, body, chat)
-        stream = state.engine.add_request(prepared.prompt_token_ids, prepared.params,
-                                          _new_id("req"), prepared.speculation)
+            return _error(404, f"the model {_shown(body.model)} does not exist; this server "
+                          f"serves {state.model_name!r}", "model_not_found", "model")
+        _check_supported(body, chat)
+        completion = _Completion(state, body, chat)
+        ticket = state.admission.admit(completion.num_requests)
+        await completion.prepare(body)
+        completion.start_leaders()
+        ticket.attach(completion.abort)
+        watcher = asyncio.create_task(_abort_on_disconnect(request, completion, ticket))
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            response = StreamingResponse(_sse(completion, watcher, ticket, include_usage),
+                                         media_type="text/event-stream",
+                                         headers={"cache-control": "no-cache",
+                                                  "x-accel-buffering": "no"})
+            streaming = True  # the ticket is _sse's now
+            return response
+        try:
+            async for choice, delta in completion.events():
+                choice.add(delta)
+        finally:
+            watcher.cancel()
+            completion.abort()
+        if completion.error is not None:
+            return _error(500, completion.error, "engine_error")
+        if completion.cut_short:
+            return _error(503, "the server is shutting down", "server_unavailable")
+        return Response(orjson.dumps(completion.whole()), media_type="application/json")
     except RequestError as exc:
         return _error(exc.http_status, exc.message, exc.code, exc.param)
     except EngineStoppedError as exc:
         return _error(503, str(exc), "server_unavailable")
     except ValueError as exc:
         return _error(400, str(exc), "invalid_request")
-
-    watcher = asyncio.create_task(_abort_on_disconnect(request, stream))
-    reply = _Reply(state, chat, len(prepared.prompt_token_ids))
-    if not body.stream:
-        try:
-            async for delta in stream:
-                reply.add(delta)
-        finally:
-            watcher.cancel()
-        if reply.error is not None:
-            return _error(500, reply.error, "engine_error")
-        return Response(orjson.dumps(reply.whole()), media_type="application/json")
-    include_usage = body.stream_options is not None and body.stream_options.include_usage
-    return StreamingResponse(_sse(reply, stream, watcher, include_usage),
-                             media_type="text/event-stream",
-                             headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+    finally:
+        if ticket is not None and not streaming:
+            ticket.release()
 
 
-def _prepare(state: ServerState, body: _Common, chat: bool) -> PreparedRequest:
+def _unsupported(message: str, param: str) -> RequestError:
+    return RequestError("unsupported_field", message, param)
+
+
+def _check_supported(body: _Common, chat: bool) -> None:
+    """Refuse, naming the field, what a client asks for that this server does not do, rather
+    than answer as if it had been done."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(body, name):
+            raise _unsupported(f"{name} is not supported; leave it 0 or unset", name)
+    if body.logit_bias:
+        raise _unsupported("logit_bias is not supported; leave it empty or unset", "logit_bias")
+    if chat:
+        if body.tools and body.tool_choice != "none":  # OpenAI's default with tools: "auto"
+            raise _unsupported("tool calling is not supported: send no tools, or tool_choice "
+                               "\"none\"", "tools")
+        if body.tool_choice not in (None, "none", "auto"):
+            raise _unsupported("tool calling is not supported: tool_choice may only be "
+                               "\"none\" or \"auto\" (with no tools)", "tool_choice")
+        fmt = body.response_format
+        if fmt is not None and fmt.get("type") != "text":
+            raise _unsupported(f"response_format type {fmt.get('type')!r} is not supported "
+                               "(no structured output); only \"text\"", "response_format")
+        if body.top_logprobs and not body.logprobs:
+            raise RequestError("invalid_field", "top_logprobs needs logprobs: true",
+                               "top_logprobs")
+        return
+    if body.suffix:
+        raise _unsupported("suffix (insertion) is not supported", "suffix")
+    n, best_of = body.n or 1, body.best_of
+    if best_of is not None and best_of < n:
+        raise RequestError("invalid_field", f"best_of ({best_of}) must be >= n ({n})",
+                           "best_of")
+    if best_of is not None and best_of > n and body.stream:
+        raise RequestError("invalid_field", "best_of > n cannot be streamed", "best_of")
+    if body.max_tokens == 0 and not body.echo:
+        raise RequestError("invalid_field", "max_tokens must be >= 1 (0 only with echo)",
+                           "max_tokens")
+
+
+def _prompts(body: CompletionRequest) -> list[str | list[int]]:
+    """A completions `prompt` as a list of prompts: one string, token ids, or a list of either."""
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise RequestError("invalid_field", "prompt is an empty list", "prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [prompt]
+    if all(isinstance(p, (str, list)) for p in prompt):
+        return list(prompt)
+    raise RequestError("invalid_field", "prompt must be a string, a list of token ids, or a "
+                       "list of strings or of token-id lists", "prompt")
+
+
+async def _prepare(state: ServerState, body: _Common, chat: bool,
+                   prompt: str | list[int] | None = None) -> PreparedRequest:
     max_tokens = body.max_tokens
     names = {"max_output_tokens": "max_tokens"}
     if chat:
@@ -151,26 +272,27 @@ def _prepare(state: ServerState, body: _Common, chat: bool) -> PreparedRequest:
                      "content": m.content or ""} for m in body.messages]
         prompt = None
     else:
-        messages, prompt = None, body.prompt
-        if isinstance(prompt, list) and any(isinstance(p, str) for p in prompt):
-            if len(prompt) != 1:
-                raise RequestError("invalid_field", "give one prompt string, or token ids",
-                                   "prompt")
-            prompt = prompt[0]
-    return prepare_request(
-        state.engine, state.limits, messages=messages, prompt=prompt,
+        messages = None
+        if max_tokens == 0:  # echo only: the engine computes the prompt and one dropped token
+            max_tokens = 1
+    return await state.preparer.prepare(
+        messages=messages, prompt=prompt,
         temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
         stop=body.stop, max_output_tokens=max_tokens, ignore_eos=body.ignore_eos,
         speculation=body.speculation, param=lambda name: names.get(name, name))
 
 
-async def _abort_on_disconnect(request: Request, stream: RequestStream) -> None:
+async def _abort_on_disconnect(request: Request, completion: _Completion,
+                               ticket: Ticket) -> None:
     # Starlette no longer watches for disconnects while streaming (ASGI spec 2.4), and a
-    # non-streaming request would otherwise run to its end for nobody.
+    # non-streaming request would otherwise run to its end for nobody. The ticket goes back
+    # here too: a response whose client left before it started never runs _sse's cleanup.
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
-            stream.abort()
+            completion.client_gone = True
+            completion.abort()
+            ticket.release()
             return
 
 
@@ -178,63 +300,276 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}-{secrets.token_hex(12)}"
 
 
-class _Reply:
-    """Accumulates one request's output and renders OpenAI objects from it."""
+class _Group:
+    """The choices of one prompt: `n` (or `best_of`) samples that share its KV blocks."""
 
-    def __init__(self, state: ServerState, chat: bool, n_prompt: int) -> None:
+    def __init__(self, prepared: PreparedRequest, text: str) -> None:
+        self.prepared = prepared
+        self.text = text  # what echo repeats: the prompt as sent, or its token ids decoded
+        self.choices: list[_Choice] = []
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None  # from the leader
+
+
+class _Choice:
+    """One engine request behind one choice: what it has produced so far."""
+
+    def __init__(self, group: _Group, index: int, params: SamplingParams,
+                 strings: TokenStrings) -> None:
+        self.group = group
+        self.index = index
+        self.params = params
+        self.stream: RequestStream | None = None
+        self.parts: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] = []
+        self.finish_reason: str | None = None
+        self.metrics: dict | None = None
+        self.error: str | None = None
+        self.role_sent = False
+        self.echo_sent = False
+        self.completion_logprobs = CompletionLogprobs(strings)  # keeps text_offset running
+
+    def add(self, delta: RequestDelta) -> None:
+        self.token_ids += delta.token_ids
+        self.parts.append(delta.text)
+        if delta.logprobs:
+            self.logprobs += delta.logprobs
+        if delta.prompt_logprobs is not None:
+            self.group.prompt_logprobs = delta.prompt_logprobs
+        if delta.finished:
+            self.finish_reason = _FINISH.get(delta.finish_reason, delta.finish_reason)
+            self.metrics = delta.metrics
+            self.error = delta.error
+
+    @property
+    def cumulative_logprob(self) -> float:
+        return sum(lp.logprob for lp in self.logprobs)
+
+
+class _Completion:
+    """One OpenAI request: its choices (prompts x samples), their engine streams, and the
+    OpenAI objects rendered from them.
+
+    Choice `i * n + j` is sample j of prompt i. Sample j runs with seed `seed + j` when the
+    request has a seed, so each has its own reproducible random stream. Samples of one prompt
+    share its KV through the prefix cache: sample 0 (the leader) is started first and the others
+    once the leader's prompt is computed, so they find its full blocks cached and compute only
+    the prompt's last partial block.
+    """
+
+    def __init__(self, state: ServerState, body: _Common, chat: bool) -> None:
         self.state = state
         self.chat = chat
         self.id = _new_id("chatcmpl" if chat else "cmpl")
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
-        self.n_prompt = n_prompt
-        self.n_out = 0
-        self.parts: list[str] = []
-        self.finish_reason: str | None = None
-        self.metrics: dict | None = None
-        self.error: str | None = None
-        self.role_sent = False
+        self.strings = TokenStrings(state.engine.tokenizer,
+                                    bool(body.return_tokens_as_token_ids))
+        self.n = body.n or 1
+        best_of = None if chat else body.best_of
+        self.samples = max(self.n, best_of or 1)  # engine requests per prompt
+        if chat:
+            self.logprobs = (body.top_logprobs or 0) if body.logprobs else None
+            self.echo = False
+        else:
+            self.logprobs = body.logprobs
+            self.echo = bool(body.echo)
+        self.drop_output = not chat and body.max_tokens == 0  # echo of the prompt only
+        self.prompts = [None] if chat else _prompts(body)
+        limit = state.limits.max_choices
+        if self.num_requests > limit:
+            raise RequestError("invalid_field", f"prompts x {'best_of' if best_of else 'n'} is "
+                               f"{self.num_requests}; the limit is {limit}",
+                               "best_of" if best_of else "n")
+        self.groups: list[_Group] = []
+        self.choices: list[_Choice] = []
+        self.queue: asyncio.Queue[tuple[_Choice, RequestDelta]] = asyncio.Queue()
+        self.pumps: list[asyncio.Task] = []
+        self.closed = False
+        self.client_gone = False
 
-    def add(self, delta: RequestDelta) -> None:
-        self.n_out += len(delta.token_ids)
-        self.parts.append(delta.text)
-        if delta.finished:
-            self.finish_reason = _FINISH.get(delta.finish_reason, delta.finish_reason)
-            self.metrics = delta.metrics
-            self.error = delta.error
-            self.state.metrics.observe("openai", delta.finish_reason, delta.metrics)
+    @property
+    def num_requests(self) -> int:
+        """Engine requests this completion starts: prompts x samples."""
+        return len(self.prompts) * self.samples
+
+    async def prepare(self, body: _Common) -> None:
+        """Validate and tokenize each prompt (off the event loop) and plan its samples."""
+        # best_of ranks samples by their cumulative log-probability, so it needs them.
+        engine_logprobs = self.logprobs if self.samples == self.n else (self.logprobs or 0)
+        tokenizer = self.state.engine.tokenizer
+        for prompt in self.prompts:
+            prepared = await _prepare(self.state, body, self.chat, prompt)
+            group = _Group(prepared, prompt if isinstance(prompt, str) or prompt is None
+                           else tokenizer.decode(prompt))
+            base = prepared.params
+            for j in range(self.samples):
+                params = replace(
+                    base, seed=None if base.seed is None else base.seed + j,
+                    logprobs=engine_logprobs,
+                    prompt_logprobs=self.logprobs if self.echo and j == 0 else None)
+                choice = _Choice(group, len(self.choices), params, self.strings)
+                group.choices.append(choice)
+                self.choices.append(choice)
+            self.groups.append(group)
+
+    # ---- engine requests -------------------------------------------------------------------
+    def start_leaders(self) -> None:
+        """Start each prompt's first sample; any error aborts what was started and propagates."""
+        try:
+            for group in self.groups:
+                self._start(group.choices[0])
+        except Exception:
+            self.abort()
+            raise
+
+    def _start(self, choice: _Choice) -> None:
+        prepared = choice.group.prepared
+        choice.stream = self.state.engine.add_request(
+            prepared.prompt_token_ids, choice.params, _new_id("req"), prepared.speculation)
+        self.pumps.append(asyncio.create_task(self._pump(choice)))
+
+    def _start_followers(self, group: _Group) -> None:
+        for choice in group.choices[1:]:
+            if self.closed:  # the client is gone: end them unstarted
+                self.queue.put_nowait((choice, RequestDelta("", [], "", finish_reason="abort")))
+                continue
+            try:
+                self._start(choice)
+            except (EngineStoppedError, ValueError) as exc:
+                self.queue.put_nowait((choice, RequestDelta("", [], "", finish_reason="error",
+                                                            error=str(exc))))
+
+    async def _pump(self, choice: _Choice) -> None:
+        first = choice is choice.group.choices[0]
+        async for delta in choice.stream:
+            if first:
+                first = False
+                self._start_followers(choice.group)
+            self.queue.put_nowait((choice, delta))
+
+    async def events(self) -> AsyncIterator[tuple[_Choice, RequestDelta]]:
+        """Every choice's deltas as they come, until each has finished."""
+        remaining = len(self.choices)
+        while remaining:
+            choice, delta = await self.queue.get()
+            if delta.finished:
+                remaining -= 1
+                if delta.metrics is not None:
+                    self.state.metrics.observe("openai", delta.finish_reason, delta.metrics)
+            yield choice, delta
+
+    def abort(self) -> None:
+        """Abort every engine request still running (a no-op for finished ones)."""
+        self.closed = True
+        for choice in self.choices:
+            if choice.stream is not None:
+                choice.stream.abort()
+
+    # ---- rendering -------------------------------------------------------------------------
+    @property
+    def error(self) -> str | None:
+        return next((c.error for c in self.choices if c.error is not None), None)
+
+    @property
+    def cut_short(self) -> bool:
+        """The server aborted a choice (the drain at shutdown), not the client."""
+        return not self.client_gone and any(c.finish_reason == "abort" for c in self.choices)
 
     def usage(self) -> dict:
-        return {"prompt_tokens": self.n_prompt, "completion_tokens": self.n_out,
-                "total_tokens": self.n_prompt + self.n_out}
+        n_prompt = sum(len(g.prepared.prompt_token_ids) for g in self.groups)
+        n_out = 0 if self.drop_output else sum(len(c.token_ids) for c in self.choices)
+        return {"prompt_tokens": n_prompt, "completion_tokens": n_out,
+                "total_tokens": n_prompt + n_out}
 
     def _base(self, object_: str) -> dict:
         return {"id": self.id, "object": object_, "created": self.created,
                 "model": self.state.model_name}
 
-    def whole(self) -> dict:
-        text = "".join(self.parts)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text}}
-                  if self.chat else {"index": 0, "text": text})
-        choice.update(finish_reason=self.finish_reason, logprobs=None)
-        return {**self._base(self.object), "choices": [choice], "usage": self.usage(),
-                "metrics": request_metrics(self.metrics)}
+    def _echo(self, choice: _Choice) -> tuple[str, dict | None]:
+        """The prompt's text and, with logprobs, its rendered prompt log-probabilities."""
+        group = choice.group
+        ids = group.prepared.prompt_token_ids
+        if self.logprobs is None:
+            return group.text, None
+        logprobs = group.prompt_logprobs or [None] * len(ids)
+        return group.text, choice.completion_logprobs.render(logprobs, ids)
 
-    def chunk(self, text: str | None, finish_reason: str | None, with_usage: bool) -> bytes:
+    def _output_logprobs(self, choice: _Choice, token_ids: list[int],
+                         logprobs: list[TokenLogprob] | None) -> dict | None:
+        if self.logprobs is None or self.drop_output:
+            return None
         if self.chat:
-            delta: dict = {}
-            if text is not None:
-                if not self.role_sent:  # the role rides on the first real token
-                    delta["role"] = "assistant"
-                    self.role_sent = True
-                delta["content"] = text
-            choice = {"index": 0, "delta": delta}
+            return chat_logprobs(self.strings, logprobs or [])
+        return choice.completion_logprobs.render(logprobs or [], token_ids)
+
+    def _ranked(self) -> list[_Choice]:
+        """The choices returned: all of them, or with best_of the n likeliest per prompt."""
+        if self.samples == self.n:
+            return self.choices
+        return [c for g in self.groups
+                for c in sorted(g.choices, key=lambda c: -c.cumulative_logprob)[:self.n]]
+
+    def whole(self) -> dict:
+        choices = []
+        for index, choice in enumerate(self._ranked()):
+            text = "" if self.drop_output else "".join(choice.parts)
+            if self.chat:
+                rendered = {"index": index,
+                            "message": {"role": "assistant", "content": text}}
+                logprobs = self._output_logprobs(choice, choice.token_ids, choice.logprobs)
+            else:
+                parts = []
+                if self.echo:
+                    prompt_text, prompt_lp = self._echo(choice)
+                    text = prompt_text + text
+                    parts.append(prompt_lp)
+                parts.append(self._output_logprobs(choice, choice.token_ids, choice.logprobs))
+                rendered = {"index": index, "text": text}
+                logprobs = merge_completion_logprobs([p for p in parts if p is not None])
+            rendered.update(finish_reason=choice.finish_reason, logprobs=logprobs)
+            if len(self.choices) > 1:
+                rendered["metrics"] = request_metrics(choice.metrics)
+            choices.append(rendered)
+        return {**self._base(self.object), "choices": choices, "usage": self.usage(),
+                "metrics": request_metrics(self.choices[0].metrics)}
+
+    def chunk(self, choice: _Choice, delta: RequestDelta | None,
+              with_usage: bool) -> bytes | None:
+        """One SSE event for a choice's delta, or for its end (delta None); None: nothing new."""
+        text, token_ids, logprobs = "", [], None
+        if delta is not None and not self.drop_output:
+            text, token_ids, logprobs = delta.text, delta.token_ids, delta.logprobs
+        finish_reason = choice.finish_reason if delta is None else None
+        if self.chat:
+            rendered_lp = self._output_logprobs(choice, token_ids, logprobs) if token_ids \
+                else None
+            if delta is not None and not text and rendered_lp is None:
+                return None
+            message: dict = {}
+            if delta is not None:
+                if not choice.role_sent:  # the role rides on the first real token
+                    message["role"] = "assistant"
+                    choice.role_sent = True
+                message["content"] = text
+            rendered = {"index": choice.index, "delta": message}
             object_ = "chat.completion.chunk"
         else:
-            choice = {"index": 0, "text": text or ""}
+            parts = []
+            if self.echo and not choice.echo_sent and delta is not None:
+                choice.echo_sent = True
+                prompt_text, prompt_lp = self._echo(choice)
+                text = prompt_text + text
+                parts.append(prompt_lp)
+            if token_ids:
+                parts.append(self._output_logprobs(choice, token_ids, logprobs))
+            rendered_lp = merge_completion_logprobs([p for p in parts if p is not None])
+            if delta is not None and not text and rendered_lp is None:
+                return None
+            rendered = {"index": choice.index, "text": text}
             object_ = "text_completion"
-        choice.update(finish_reason=finish_reason, logprobs=None)
-        chunk = {**self._base(object_), "choices": [choice]}
+        rendered.update(finish_reason=finish_reason, logprobs=rendered_lp)
+        chunk = {**self._base(object_), "choices": [rendered]}
         if with_usage:
             chunk["usage"] = None
         return b"data: " + orjson.dumps(chunk) + b"\n\n"
@@ -245,17 +580,27 @@ class _Reply:
         return b"data: " + orjson.dumps(chunk) + b"\n\n"
 
 
-async def _sse(reply: _Reply, stream: RequestStream, watcher: asyncio.Task,
+async def _sse(completion: _Completion, watcher: asyncio.Task, ticket: Ticket,
                include_usage: bool) -> AsyncIterator[bytes]:
     try:
-        async for delta in stream:
-            reply.add(delta)
-            if delta.text:
-                yield reply.chunk(delta.text, None, include_usage)
-        yield reply.chunk(None, reply.finish_reason, include_usage)
+        async for choice, delta in completion.events():
+            choice.add(delta)
+            if (event := completion.chunk(choice, delta, include_usage)) is not None:
+                yield event
+            if delta.finished:
+                yield completion.chunk(choice, None, include_usage)
         if include_usage:
-            yield reply.usage_chunk()
+            yield completion.usage_chunk()
+        if completion.error is not None:
+            yield _error_chunk(completion.error, "engine_error")
+        elif completion.cut_short:
+            yield _error_chunk("the server is shutting down", "server_shutdown")
         yield b"data: [DONE]\n\n"
     finally:
         watcher.cancel()
-        stream.abort()  # a no-op once finished; frees the blocks if the writer failed
+        completion.abort()  # a no-op once finished; frees the blocks if the writer failed
+        ticket.release()
+
+
+def _error_chunk(message: str, code: str) -> bytes:
+    return b"data: " + error_body(message, code, "server_error") + b"\n\n"

@@ -106,7 +106,8 @@ def test_errors_are_openai_shaped(oai, server):
         oai.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=10**6)
     assert info.value.body["param"] == "max_tokens"
     with pytest.raises(openai.BadRequestError) as info:
-        oai.chat.completions.create(model="tiny", messages=MESSAGES, n=2)
+        oai.chat.completions.create(model="tiny", messages=MESSAGES,
+                                    n=server.app.state.server.limits.max_choices + 1)
     assert info.value.body["param"] == "n"
     r = httpx.post(f"{server.http}/v1/completions", content=b"{oops", timeout=10)
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
