@@ -61,6 +61,7 @@
 #define SEQUENTIAL_ROWS 8
 #define WIDE_K 2048
 #define X_BLOCK_BYTES (256 * 1024)
+#define PARALLEL_MIN_MACS (1 << 18)
 
 /* Where results go: y fp32, or bf16 (rounded to nearest even) with the bias (bf16, may be
  * NULL) added first in fp32, as F.linear on bf16 tensors computes it. Pointers are advanced
@@ -211,12 +212,15 @@ int gemv_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, float 
      * block meets stay in L2 instead of streaming from memory once per weight block. */
     int64_t m_block = X_BLOCK_BYTES / (steps * (int64_t)sizeof(dot_vec));
     if (m_block < MR_NARROW) m_block = MR_NARROW;
-#pragma omp parallel num_threads(num_threads)
+    /* A small product (the demo model's layers) is done before other threads would wake. */
+#pragma omp parallel num_threads(num_threads) if (M * N * K >= PARALLEL_MIN_MACS)
     for (int64_t m0 = 0; m0 < M; m0 += m_block) {
         const int64_t rows = M - m0 < m_block ? M - m0 : m_block;
         const Prepared xs = {xp.v + m0 * steps, steps};
         const Output ys = output_at(y, m0 * N, 0);
-#pragma omp for schedule(static)
+        /* No barrier between row blocks (they write different rows): one join per call, and
+         * static scheduling gives each thread the same weight blocks in every row block. */
+#pragma omp for schedule(static) nowait
         for (int64_t b = 0; b < num_blocks; b++) {
             const int64_t n0 = b * block_rows;
             const int nr = N - n0 < block_rows ? (int)(N - n0) : block_rows;
