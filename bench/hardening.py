@@ -65,8 +65,8 @@ class Served:
 
     def counters(self) -> dict:
         metrics = self.get("/metrics")[1].decode()
-        values = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
-                  if line.startswith("specserve_kv_blocks")}
+        values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+                  for line in metrics.splitlines() if line.startswith("specserve_kv_blocks")}
         health = orjson.loads(self.get("/health")[1])
         with open(f"/proc/{self.proc.pid}/status") as f:
             rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
