@@ -27,11 +27,15 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                    "ngram:K | adaptive (default: the best mode for what is loaded)")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks to split the "
+                   "target over (spawned on this machine, or the ranks torchrun started)")
+    p.add_argument("--draft-tp", type=int, default=1, help="1: the draft runs whole on rank 0 "
+                   "(default); the --tp value: split like the target")
 
 
 def _engine_options(args: argparse.Namespace) -> dict:
     return dict(target=args.target, draft=args.draft, speculation=args.speculation,  # noqa: C408
-                dtype=args.dtype, device=args.device)
+                dtype=args.dtype, device=args.device, tp=args.tp, draft_tp=args.draft_tp)
 
 
 # ---- serve --------------------------------------------------------------------------------
@@ -56,20 +60,35 @@ def run_serve(args: argparse.Namespace) -> int:
     from .engine.async_engine import AsyncEngine
     from .engine.core import EngineCore
     from .llm import build_engine_config
+    from .model.tp_worker import launch as launch_tensor_parallel
     from .server import create_app, uvicorn_config
 
+    workers = None
     try:
-        core = EngineCore(build_engine_config(**_engine_options(args)))
+        engine_config = build_engine_config(**_engine_options(args))
+        workers = launch_tensor_parallel(engine_config)  # tp > 1; other torchrun ranks stay in
+        core = EngineCore(engine_config)
     except (FileNotFoundError, ValueError) as exc:  # no demo pair yet, bad folder or option
         print(f"specserve serve: {exc}", file=sys.stderr)
+        if workers is not None:
+            workers.shutdown()
         return 2
     app = create_app(AsyncEngine(core), api_key=args.api_key,
                      allowed_origins=args.allowed_origin, model_name=args.model_name)
-    config = uvicorn_config(app, args.host, args.port, args.log_level)
+    server = uvicorn.Server(uvicorn_config(app, args.host, args.port, args.log_level))
+    if workers is not None:  # a dead rank ends the server at once instead of failing requests
+        workers.on_failure(lambda message: setattr(server, "should_exit", True))
     print(f"specserve: serving {app.state.server.model_name} "
-          f"(speculation {core.default_mode}) on http://{args.host}:{args.port}",
-          file=sys.stderr, flush=True)
-    uvicorn.Server(config).run()
+          f"(speculation {core.default_mode}, tp {engine_config.tp}) on "
+          f"http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+    try:
+        server.run()
+    finally:
+        if workers is not None:
+            workers.shutdown()
+    if workers is not None and workers.failure is not None:
+        print(f"specserve serve: {workers.failure}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -24,5 +24,7 @@ class EngineConfig:
     speculation: object = None  # a spelling, see spec.modes; parsed by the engine
     dtype: str = "auto"
     device: str = "cpu"
+    tp: int = 1  # tensor-parallel ranks the target is split over
+    draft_tp: int = 1  # 1: the draft runs whole on rank 0; tp: split like the target
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

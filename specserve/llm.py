@@ -9,6 +9,7 @@ from pathlib import Path
 from .config import CacheConfig, EngineConfig
 from .engine.core import EngineCore
 from .engine.scheduler import SchedulerConfig
+from .model.tp_worker import launch as launch_tensor_parallel
 from .outputs import RequestOutput
 from .sampling import SamplingParams
 
@@ -30,19 +31,20 @@ def demo_pair() -> tuple[Path, Path]:
 def build_engine_config(target=None, draft=None, speculation=None, dtype="auto", tp: int = 1,
                         **options) -> EngineConfig:
     """Engine config from the LLM/CLI keyword options (unknown ones are an error)."""
-    if tp != 1:
-        raise ValueError("tensor parallelism (tp > 1) is not available yet")
+    if not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tp must be a positive int; got {tp!r}")
     if target is None:
         target, demo_draft = demo_pair()
         draft = draft if draft is not None else demo_draft
     cache_keys = {f.name for f in fields(CacheConfig)}
     sched_keys = {f.name for f in fields(SchedulerConfig)}
-    unknown = set(options) - cache_keys - sched_keys - {"device"}
+    unknown = set(options) - cache_keys - sched_keys - {"device", "draft_tp"}
     if unknown:
         raise TypeError(f"unknown engine options: {', '.join(sorted(unknown))}")
     return EngineConfig(
         target=Path(target), draft=Path(draft) if draft is not None else None,
         speculation=speculation, dtype=dtype, device=options.get("device", "cpu"),
+        tp=tp, draft_tp=options.get("draft_tp", 1),
         cache=CacheConfig(**{k: v for k, v in options.items() if k in cache_keys}),
         scheduler=SchedulerConfig(**{k: v for k, v in options.items() if k in sched_keys}))
 
@@ -50,9 +52,20 @@ def build_engine_config(target=None, draft=None, speculation=None, dtype="auto",
 class LLM:
     def __init__(self, target: str | Path | None = None, draft: str | Path | None = None,
                  speculation=None, dtype: str = "auto", tp: int = 1, **engine_options) -> None:
-        self.engine = EngineCore(build_engine_config(target, draft, speculation, dtype, tp,
-                                                     **engine_options))
+        config = build_engine_config(target, draft, speculation, dtype, tp, **engine_options)
+        # tp > 1: the workers start (and rank 0 joins them) before the engine loads its shard.
+        self.tensor_parallel = launch_tensor_parallel(config)
+        try:
+            self.engine = EngineCore(config)
+        except BaseException:
+            self.shutdown()
+            raise
         self.tokenizer = self.engine.tokenizer
+
+    def shutdown(self) -> None:
+        """End the tensor-parallel workers (a no-op at tp=1; also done at interpreter exit)."""
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.shutdown()
 
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -2,8 +2,9 @@
 
 Reads `config.json` and either `model.safetensors` or a sharded `model.safetensors.index.json`.
 Each checkpoint tensor is routed to the parameter that owns it together with a shard id (q/k/v
-and gate/up are fused here), and that parameter's `weight_loader` copies its tensor-parallel
-slice. Every failure names the folder, file and tensor involved.
+and gate/up are fused here), and that parameter's `weight_loader` reads its tensor-parallel
+slice from the file (a lazy safetensors slice: a rank reads only its own part). Every failure
+names the folder, file and tensor involved.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from ..distributed import TPShard, shard_for_checkpoint
 from .architectures import ArchSpec, DecoderLM
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -106,13 +108,17 @@ def _route(name: str, spec: ArchSpec) -> tuple[str, int] | None:
 
 
 def load_model(path: str | Path, dtype: str | torch.dtype = "auto",
-               device: str | torch.device = "cpu") -> DecoderLM:
-    """Build the decoder for the folder's architecture and load its weights (this rank's slice)."""
+               device: str | torch.device = "cpu", shard: TPShard | None = None) -> DecoderLM:
+    """Build the decoder for the folder's architecture and load its weights (this rank's slice).
+
+    `shard`: the tensor-parallel slice to hold; by default the one the tensor-parallel launcher
+    registered for this folder (`distributed.shard_for_checkpoint`), else the whole model.
+    """
     path = Path(path)
     config = load_hf_config(path)
     spec = ArchSpec.from_hf_config(config)
     torch_dtype = resolve_dtype(dtype, config)
-    model = DecoderLM(spec, torch_dtype)
+    model = DecoderLM(spec, torch_dtype, shard if shard is not None else shard_for_checkpoint(path))
     params = dict(model.named_parameters())
     owners = {name: mod for mod_name, mod in model.named_modules()
               for name in (f"{mod_name}.weight", f"{mod_name}.bias") if name in params}
@@ -130,23 +136,22 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto",
             target, shard = route
             if target not in params:
                 raise CheckpointError(f"{file}: unexpected tensor {name!r} for {spec.architecture}")
-            try:
-                tensor = handle.get_tensor(name)
-            except Exception as exc:
-                raise CheckpointError(f"{file}: tensor {name!r} cannot be read: {exc}") from exc
             loader = getattr(owners[target], "weight_loader", None)
             try:
                 with torch.no_grad():
                     if loader is None:  # norms: whole tensor on every rank
+                        tensor = handle.get_tensor(name)
                         if params[target].shape != tensor.shape:
                             raise ValueError(f"shape mismatch: expected "
                                              f"{tuple(params[target].shape)}, got "
                                              f"{tuple(tensor.shape)}")
                         params[target].data.copy_(tensor)
-                    else:
-                        loader(params[target], tensor.to(torch_dtype), shard)
+                    else:  # reads this rank's part of the lazy slice only
+                        loader(params[target], handle.get_slice(name), shard)
             except ValueError as exc:
                 raise CheckpointError(f"{file}: tensor {name!r}: {exc}") from exc
+            except Exception as exc:  # safetensors raises its own types on a bad tensor
+                raise CheckpointError(f"{file}: tensor {name!r} cannot be read: {exc}") from exc
             loaded.add((target, shard))
     _check_complete(model, loaded, path)
     return model.to(device).eval()
