@@ -23,6 +23,7 @@ import datetime
 import os
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -81,6 +82,8 @@ class CollectiveStats:
 class _State:
     control: object = None  # the control process group (rank 0 -> workers)
     failure: str | None = None
+    # Rank 0: names the rank that died, when it can tell (the launcher's process watch).
+    diagnose: Callable[[], str | None] | None = None
     split_checkpoints: dict[Path, TPShard] = field(default_factory=dict)
     stats: CollectiveStats = field(default_factory=CollectiveStats)
 
@@ -124,6 +127,7 @@ def destroy_group() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     _state.control = None
+    _state.diagnose = None
     _state.split_checkpoints.clear()
 
 
@@ -131,6 +135,11 @@ def mark_failed(message: str) -> None:
     """Record why the group cannot go on; every later collective raises with this message."""
     if _state.failure is None:
         _state.failure = message
+
+
+def set_diagnose(diagnose: Callable[[], str | None]) -> None:
+    """Rank 0: `diagnose()` explains a failed collective (which rank died), or returns None."""
+    _state.diagnose = diagnose
 
 
 def failure() -> str | None:
@@ -164,7 +173,9 @@ def _run(op, kind: str, *args, **kwargs):
     try:
         op(*args, **kwargs)
     except RuntimeError as exc:  # a peer closed its sockets or timed out
-        mark_failed(f"tensor-parallel collective failed (a rank died or stopped answering): {exc}")
+        cause = _state.diagnose() if _state.diagnose is not None else None
+        mark_failed(cause or f"tensor-parallel collective failed (a rank died or stopped "
+                             f"answering): {exc}")
         raise TensorParallelError(_state.failure) from exc
     _state.stats.add(kind, time.perf_counter() - start)
 

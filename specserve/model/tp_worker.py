@@ -43,6 +43,7 @@ from ..distributed import (
     receive_payload,
     register_split_checkpoint,
     send_command,
+    set_diagnose,
 )
 from .architectures import DecoderLM
 from .loader import load_model
@@ -99,6 +100,7 @@ class TensorParallelWorkers:
         self._closing = False
         self._lock = threading.Lock()
         if processes:
+            set_diagnose(self._dead_worker)
             threading.Thread(target=self._watch, name="specserve-tp-watch", daemon=True).start()
         atexit.register(self.shutdown)
 
@@ -116,17 +118,25 @@ class TensorParallelWorkers:
         if failure() is not None:
             callback(failure())
 
-    def _watch(self) -> None:
+    def _dead_worker(self, wait_s: float = 2.0) -> str | None:
+        """The first worker that has exited (waiting up to `wait_s` for one), described."""
         sentinels = {p.sentinel: rank for rank, p in enumerate(self.processes, start=1)}
-        ready = multiprocessing.connection.wait(list(sentinels))
-        if self._closing:
-            return
+        ready = multiprocessing.connection.wait(list(sentinels), timeout=wait_s)
+        if not ready:
+            return None
         rank = sentinels[ready[0]]
         proc = self.processes[rank - 1]
         proc.join(1)
-        message = (f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with code "
-                   f"{proc.exitcode}; the engine cannot continue (restart it)")
+        return (f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with code "
+                f"{proc.exitcode}; the engine cannot continue (restart it)")
+
+    def _watch(self) -> None:
+        multiprocessing.connection.wait([p.sentinel for p in self.processes])
+        if self._closing:
+            return
+        message = self._dead_worker()
         mark_failed(message)
+        message = failure()  # a failed collective may have recorded it first
         log.error(message)
         self._stop_processes(timeout=2)
         for callback in self._callbacks:

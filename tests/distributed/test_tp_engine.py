@@ -17,6 +17,8 @@ from specserve import LLM, SamplingParams
 from specserve.distributed import TensorParallelError, collective_stats
 from tests.tiny_models import save_model
 
+pytestmark = pytest.mark.timeout(300)
+
 PROMPTS = ["def add(a, b):", "The quick brown fox", "héllo wörld ✓ " * 12]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
 MODES = ["off", "chain:3", "tree:8", [[0], [1], [0, 0], [0, 1], [1, 0]], "adaptive"]
