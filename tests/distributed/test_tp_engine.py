@@ -20,7 +20,7 @@ from tests.tiny_models import save_model
 pytestmark = pytest.mark.timeout(300)
 
 PROMPTS = ["def add(a, b):", "The quick brown fox", "héllo wörld ✓ " * 12]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 MODES = ["off", "chain:3", "tree:8", [[0], [1], [0, 0], [0, 1], [1, 0]], "adaptive"]
 
 
@@ -46,7 +46,7 @@ def one_kv_tied(model_dir):
 def test_tp2_matches_tp1_draft_on_rank0(tiny_target, tiny_draft):
     """4 query / 2 KV heads, untied head; the draft whole on rank 0."""
     expected = {str(m): _greedy(LLM(tiny_target, tiny_draft), m) for m in MODES}
-    llm = LLM(tiny_target, tiny_draft, tp=2, kv_cache_memory_bytes=2**20)
+    llm = LLM(tiny_target, tiny_draft, tp=2)
     try:
         pids = llm.tensor_parallel.worker_pids
         assert len(pids) == 1
