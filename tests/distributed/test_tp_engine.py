@@ -17,7 +17,7 @@ from specserve import LLM, SamplingParams
 from specserve.distributed import TensorParallelError, collective_stats
 from tests.tiny_models import save_model
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 PROMPTS = ["def add(a, b):", "The quick brown fox", "héllo wörld ✓ " * 12]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)

@@ -15,7 +15,7 @@ import pytest
 
 from specserve.distributed import free_port
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 
 def _children(pid: int) -> list[int]:
@@ -69,3 +69,18 @@ def test_serve_tp2_then_a_dead_worker_ends_the_server(tiny_target):
         if server.poll() is None:
             server.kill()
             server.wait()
+
+
+def test_torchrun_ranks_generate_like_tp1(tiny_target):
+    """Under torchrun every rank runs the same command; rank 0 prints, rank 1 only computes."""
+    from specserve import LLM, SamplingParams
+
+    expected = LLM(tiny_target).generate("def add(a, b):", SamplingParams(
+        temperature=0, max_tokens=8))[0].text
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "specserve", "generate", "--target", str(tiny_target), "--tp", "2",
+         "--prompt", "def add(a, b):", "--max-tokens", "8"],
+        capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == expected + "\n"
