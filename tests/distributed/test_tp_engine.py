@@ -50,6 +50,9 @@ def test_tp2_matches_tp1_draft_on_rank0(tiny_target, tiny_draft):
     try:
         pids = llm.tensor_parallel.worker_pids
         assert len(pids) == 1
+        # Rank 0's paged KV holds its own KV head only: [L, 2, blocks, block_size, Hkv, D].
+        assert llm.engine.runner.kv_cache.shape[4] == 1
+        assert llm.engine.proposer.runner.kv_cache.shape[4] == 2  # the whole draft
         reduces = collective_stats().all_reduce_count
         for mode in MODES:
             assert _greedy(llm, mode) == expected[str(mode)], mode
