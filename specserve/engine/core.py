@@ -37,6 +37,7 @@ from ..spec.proposers import (
 )
 from ..spec.tree import TokenTree, build_tree_buffers, node_depths
 from ..spec.verify import Verdict, verify_greedy, verify_sampled
+from ..validation import RequestLimits, check_lengths, check_prompt_ids
 from .block_manager import BlockManager
 from .interface import EngineLimits, EngineStats, KVPoolStats, ModelInfo
 from .logprobs import chunked_token_logprobs, token_logprobs
@@ -110,21 +111,13 @@ class EngineCore:
         self.scheduler.add(req)
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """The one place request limits are checked."""
-        if not prompt_ids:
-            raise ValueError("prompt is empty")
-        vocab = self.target.spec.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_ids):
-            raise ValueError(f"prompt token ids must be ints in [0, {vocab})")
-        total = len(prompt_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens "
-                             f"({params.max_tokens}) = {total} exceeds the model's context of "
-                             f"{self.max_model_len} tokens")
-        blocks_needed = -(-total // self.block_manager.block_size)
-        if blocks_needed > self.block_manager.num_blocks:
-            raise ValueError(f"request needs {blocks_needed} KV blocks; the pool has "
-                             f"{self.block_manager.num_blocks}")
+        """A request's token ids and length against this engine's vocabulary, context and KV
+        pool, with the same checks (and messages) the server applies (specserve.validation)."""
+        limits = self.limits
+        check_prompt_ids(prompt_ids, self.target.spec.vocab_size)
+        check_lengths(len(prompt_ids), params.max_tokens,
+                      RequestLimits.for_context(min(limits.max_model_len, limits.kv_pool_tokens)),
+                      prompt_param="prompt")
 
     def abort(self, request_id: str) -> RequestDelta | None:
         """Cancel a request and free its blocks now; None if it is unknown or already done."""
