@@ -30,12 +30,16 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                    "(default: none)")
     p.add_argument("--draft-quantization", help="the draft's: int8 | int4 | none (default: the "
                    "target's)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks to split the "
+                   "target over (spawned on this machine, or the ranks torchrun started)")
+    p.add_argument("--draft-tp", type=int, default=1, help="1: the draft runs whole on rank 0 "
+                   "(default); the --tp value: split like the target")
 
 
 def _engine_options(args: argparse.Namespace) -> dict:
     return dict(target=args.target, draft=args.draft, speculation=args.speculation,  # noqa: C408
                 dtype=args.dtype, device=args.device, quantization=args.quantization,
-                draft_quantization=args.draft_quantization)
+                draft_quantization=args.draft_quantization, tp=args.tp, draft_tp=args.draft_tp)
 
 
 # ---- serve --------------------------------------------------------------------------------
@@ -69,14 +73,20 @@ def run_serve(args: argparse.Namespace) -> int:
     from .engine import AsyncEngine
     from .engine.core import EngineCore
     from .llm import build_engine_config
+    from .model.tp_worker import launch as launch_tensor_parallel
     from .server import ServerLimits, create_app, uvicorn_config
     from .server.drain import DrainingServer
     from .server.hosts import default_allowed_hosts
 
+    workers = None
     try:
-        core = EngineCore(build_engine_config(**_engine_options(args)))
+        engine_config = build_engine_config(**_engine_options(args))
+        workers = launch_tensor_parallel(engine_config)  # tp > 1; other torchrun ranks stay in
+        core = EngineCore(engine_config)
     except (FileNotFoundError, ValueError) as exc:  # no demo pair yet, bad folder or option
         print(f"specserve serve: {exc}", file=sys.stderr)
+        if workers is not None:
+            workers.shutdown()
         return 2
     engine = AsyncEngine(core)
     limits = ServerLimits.for_engine(engine, max_queued_requests=args.max_queued_requests,
@@ -84,14 +94,24 @@ def run_serve(args: argparse.Namespace) -> int:
     hosts = default_allowed_hosts(args.host, args.allowed_hosts.split(","))
     app = create_app(engine, api_key=args.api_key, allowed_origins=args.allowed_origin,
                      model_name=args.model_name, limits=limits, allowed_hosts=hosts)
-    config = uvicorn_config(app, args.host, args.port, args.log_level)
+    server = DrainingServer(uvicorn_config(app, args.host, args.port, args.log_level),
+                            app.state.server.admission, args.drain_timeout)
+    if workers is not None:  # a dead rank ends the server at once instead of failing requests
+        workers.on_failure(lambda message: server.exit_without_drain())
     print(f"specserve: serving {app.state.server.model_name} "
-          f"(speculation {core.default_mode}) on http://{args.host}:{args.port}",
-          file=sys.stderr, flush=True)
+          f"(speculation {core.default_mode}, tp {engine_config.tp}) on "
+          f"http://{args.host}:{args.port}", file=sys.stderr, flush=True)
     if hosts is None:
         print("specserve: any Host header is accepted; name the served hosts with "
               "--allowed-hosts", file=sys.stderr, flush=True)
-    DrainingServer(config, app.state.server.admission, args.drain_timeout).run()
+    try:
+        server.run()
+    finally:
+        if workers is not None:
+            workers.shutdown()
+    if workers is not None and workers.failure is not None:
+        print(f"specserve serve: {workers.failure}", file=sys.stderr)
+        return 1
     return 0
 
 

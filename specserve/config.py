@@ -35,13 +35,16 @@ class EngineConfig:
     device: str = "cpu"
     quantization: str | None = None  # weight-only: None, "int8", "int4" (see model/quant.py)
     draft_quantization: str | None = None  # the draft's ("none": unquantized)
+    tp: int = 1  # tensor-parallel ranks the target is split over
+    draft_tp: int = 1  # 1: the draft runs whole on rank 0; tp: split like the target
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     @classmethod
     def from_options(cls, target, draft=None, speculation=None, dtype: str = "auto",
                      tp: int = 1, quantization: str | None = None,
-                     draft_quantization: str | None = None, **options) -> EngineConfig:
+                     draft_quantization: str | None = None, draft_tp: int = 1,
+                     **options) -> EngineConfig:
         """The config for `LLM(...)` / CLI keyword options; unknown ones are an error.
 
         draft_quantization None means the target's quantization."""
@@ -51,8 +54,12 @@ class EngineConfig:
             draft_quantization = quantization
         resolve_quantization(quantization)  # an unknown name fails here, before any loading
         resolve_quantization(draft_quantization)
-        if tp != 1:
-            raise ValueError("tensor parallelism (tp > 1) is not available yet")
+        for name, ranks in (("tp", tp), ("draft_tp", draft_tp)):
+            if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+                raise ValueError(f"{name} must be a positive int; got {ranks!r}")
+        if draft_tp not in (1, tp):
+            raise ValueError(f"draft_tp must be 1 (the draft whole on rank 0) or tp={tp}; "
+                             f"got {draft_tp}")
         cache_keys = {f.name for f in fields(CacheConfig)}
         sched_keys = {f.name for f in fields(SchedulerConfig)}
         unknown = set(options) - cache_keys - sched_keys - {"device"}
@@ -62,5 +69,6 @@ class EngineConfig:
             target=Path(target), draft=Path(draft) if draft is not None else None,
             speculation=speculation, dtype=dtype, device=options.get("device", "cpu"),
             quantization=quantization, draft_quantization=draft_quantization,
+            tp=tp, draft_tp=draft_tp,
             cache=CacheConfig(**{k: v for k, v in options.items() if k in cache_keys}),
             scheduler=SchedulerConfig(**{k: v for k, v in options.items() if k in sched_keys}))

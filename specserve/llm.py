@@ -7,6 +7,7 @@ from pathlib import Path
 
 from .config import EngineConfig
 from .engine.core import EngineCore
+from .model.tp_worker import launch as launch_tensor_parallel
 from .outputs import RequestOutput
 from .sampling import SamplingParams
 
@@ -40,10 +41,21 @@ class LLM:
                  speculation=None, dtype: str = "auto", tp: int = 1,
                  quantization: str | None = None, draft_quantization: str | None = None,
                  **engine_options) -> None:
-        self.engine = EngineCore(build_engine_config(target, draft, speculation, dtype, tp,
-                                                     quantization, draft_quantization,
-                                                     **engine_options))
+        config = build_engine_config(target, draft, speculation, dtype, tp, quantization,
+                                     draft_quantization, **engine_options)
+        # tp > 1: the workers start (and rank 0 joins them) before the engine loads its shard.
+        self.tensor_parallel = launch_tensor_parallel(config)
+        try:
+            self.engine = EngineCore(config)
+        except BaseException:
+            self.shutdown()
+            raise
         self.tokenizer = self.engine.tokenizer
+
+    def shutdown(self) -> None:
+        """End the tensor-parallel workers (a no-op at tp=1; also done at interpreter exit)."""
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.shutdown()
 
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,

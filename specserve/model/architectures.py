@@ -12,16 +12,17 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..distributed import all_gather_last_dim, tp_world_size
-from ..kernels import linear
+from ..distributed import WHOLE, TPShard
 from .attention import AttentionMetadata, PagedAttention
-from .layers import (
+from .layers import GatedMLP, RMSNorm, RotaryEmbedding
+from .parallel import (
     ColumnParallelLinear,
-    GatedMLP,
-    RMSNorm,
-    RotaryEmbedding,
     RowParallelLinear,
-    VocabEmbedding,
+    RowRange,
+    VocabParallelEmbedding,
+    check_split,
+    even_range,
+    kv_head_range,
 )
 
 SUPPORTED_ARCHITECTURES = {
@@ -105,20 +106,17 @@ def rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, spec: ArchSpec, dtype: torch.dtype) -> None:
+    def __init__(self, spec: ArchSpec, dtype: torch.dtype, shard: TPShard = WHOLE) -> None:
         super().__init__()
-        world = tp_world_size()
-        if spec.num_heads % world or spec.num_kv_heads % world:
-            raise ValueError(f"{spec.num_heads} heads / {spec.num_kv_heads} kv heads do not "
-                             f"split over tp={world}")
-        self.num_heads = spec.num_heads // world
-        self.num_kv_heads = spec.num_kv_heads // world
-        self.head_dim = spec.head_dim
-        q_size = spec.num_heads * spec.head_dim
-        kv_size = spec.num_kv_heads * spec.head_dim
-        self.qkv_proj = ColumnParallelLinear(spec.hidden_size, [q_size, kv_size, kv_size],
+        D = spec.head_dim
+        q_rows = even_range(spec.num_heads * D, shard, "attention heads x head_dim")
+        first_kv, self.num_kv_heads = kv_head_range(spec.num_kv_heads, shard)
+        kv_rows = RowRange(spec.num_kv_heads * D, first_kv * D, self.num_kv_heads * D)
+        self.num_heads = q_rows.size // D
+        self.head_dim = D
+        self.qkv_proj = ColumnParallelLinear(spec.hidden_size, [q_rows, kv_rows, kv_rows],
                                              bias=spec.qkv_bias, dtype=dtype)
-        self.o_proj = RowParallelLinear(q_size, spec.hidden_size, dtype=dtype)
+        self.o_proj = RowParallelLinear(q_rows.full, spec.hidden_size, dtype, shard)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, spec.head_dim)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
@@ -140,12 +138,12 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ArchSpec, dtype: torch.dtype) -> None:
+    def __init__(self, spec: ArchSpec, dtype: torch.dtype, shard: TPShard = WHOLE) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.self_attn = DecoderAttention(spec, dtype)
+        self.self_attn = DecoderAttention(spec, dtype, shard)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = GatedMLP(spec.hidden_size, spec.intermediate_size, dtype)
+        self.mlp = GatedMLP(spec.hidden_size, spec.intermediate_size, dtype, shard)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
                 kv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -154,16 +152,25 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderLM(nn.Module):
-    """Embedding -> N decoder layers -> final norm; `compute_logits` applies the LM head."""
+    """Embedding -> N decoder layers -> final norm; `compute_logits` applies the LM head.
 
-    def __init__(self, spec: ArchSpec, dtype: torch.dtype) -> None:
+    `shard`: which tensor-parallel slice of every layer this process holds (the whole model by
+    default).
+    """
+
+    def __init__(self, spec: ArchSpec, dtype: torch.dtype, shard: TPShard = WHOLE) -> None:
         super().__init__()
+        check_split(spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.intermediate_size,
+                    shard)
         self.spec = spec
-        self.embed_tokens = VocabEmbedding(spec.vocab_size, spec.hidden_size, dtype)
-        self.layers = nn.ModuleList(DecoderLayer(spec, dtype) for _ in range(spec.num_layers))
+        self.shard = shard
+        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, dtype, shard)
+        self.layers = nn.ModuleList(DecoderLayer(spec, dtype, shard)
+                                    for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = (None if spec.tie_word_embeddings
-                        else VocabEmbedding(spec.vocab_size, spec.hidden_size, dtype))
+                        else VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, dtype,
+                                                    shard))
         self.rotary = RotaryEmbedding(spec.head_dim, spec.max_position_embeddings,
                                       torch.tensor(spec.inv_freq), spec.rope_attention_scaling)
         for norm in self._norms():
@@ -181,8 +188,7 @@ class DecoderLM(nn.Module):
             x = layer(x, positions, self.rotary, kv_cache[i], meta)
         return self.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] -> logits [N, vocab] in float32."""
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden [N, H] -> logits [N, vocab] in float32 (on rank 0; None on the others)."""
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        logits = linear(hidden, head.weight)
-        return all_gather_last_dim(logits)[..., : self.spec.vocab_size].float()
+        return head.logits(hidden)

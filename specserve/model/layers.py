@@ -1,7 +1,6 @@
-"""Decoder building blocks: RMSNorm, rotary embedding, tensor-parallel linears, gated MLP.
+"""Decoder building blocks: RMSNorm, rotary embedding, gated MLP.
 
-Every linear owns a `weight_loader` that copies its slice of a checkpoint tensor, so the loader
-never needs to know how a layer is split: at tp=1 the slice is the whole tensor.
+The tensor-parallel linears and the vocabulary-parallel embedding live in `parallel.py`.
 """
 
 from __future__ import annotations
@@ -10,8 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..distributed import all_reduce_sum, tp_rank, tp_world_size
-from ..kernels import cpu_norm_rope, linear
+from ..distributed import WHOLE, TPShard
+from ..kernels import cpu_norm_rope
+from .parallel import ColumnParallelLinear, RowParallelLinear, even_range
 
 
 class RMSNorm(nn.Module):
@@ -67,105 +67,16 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
-class ColumnParallelLinear(nn.Module):
-    """y = x W^T + b with W's output rows split across tensor-parallel ranks.
-
-    `output_sizes` lists the logical sub-matrices stacked in this one weight (q, k, v or gate, up);
-    each is split separately so every rank holds its own slice of each.
-    """
-
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool,
-                 dtype: torch.dtype) -> None:
-        super().__init__()
-        world = tp_world_size()
-        for size in output_sizes:
-            if size % world:
-                raise ValueError(f"output size {size} is not divisible by tp={world}")
-        self.shard_sizes = [size // world for size in output_sizes]
-        out = sum(self.shard_sizes)
-        self.weight = nn.Parameter(torch.empty(out, input_size, dtype=dtype), requires_grad=False)
-        self.bias = (nn.Parameter(torch.zeros(out, dtype=dtype), requires_grad=False)
-                     if bias else None)
-
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:
-        """Copy this rank's rows of logical sub-matrix `shard` from the full checkpoint tensor."""
-        size = self.shard_sizes[shard]
-        offset = sum(self.shard_sizes[:shard])
-        _expect_shape(loaded, (size * tp_world_size(), *param.shape[1:]))
-        rows = loaded.narrow(0, tp_rank() * size, size)
-        _checked_copy(param.data.narrow(0, offset, size), rows)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
-
-
-class RowParallelLinear(nn.Module):
-    """y = x W^T with W's input columns split across ranks and the partial sums all-reduced."""
-
-    def __init__(self, input_size: int, output_size: int, dtype: torch.dtype) -> None:
-        super().__init__()
-        world = tp_world_size()
-        if input_size % world:
-            raise ValueError(f"input size {input_size} is not divisible by tp={world}")
-        self.shard_size = input_size // world
-        self.weight = nn.Parameter(torch.empty(output_size, self.shard_size, dtype=dtype),
-                                   requires_grad=False)
-
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:
-        _expect_shape(loaded, (param.shape[0], self.shard_size * tp_world_size()))
-        cols = loaded.narrow(1, tp_rank() * self.shard_size, self.shard_size)
-        _checked_copy(param.data, cols)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce_sum(linear(x, self.weight))
-
-
-class VocabEmbedding(nn.Module):
-    """Token embedding; at tp>1 each rank holds a contiguous range of the vocabulary."""
-
-    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype) -> None:
-        super().__init__()
-        world = tp_world_size()
-        self.shard_size = -(-vocab_size // world)
-        self.vocab_start = tp_rank() * self.shard_size
-        self.vocab_size = vocab_size
-        self.weight = nn.Parameter(torch.zeros(self.shard_size, hidden_size, dtype=dtype),
-                                   requires_grad=False)
-
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:
-        _expect_shape(loaded, (self.vocab_size, param.shape[1]))
-        rows = loaded[self.vocab_start:self.vocab_start + self.shard_size]
-        _checked_copy(param.data[: rows.shape[0]], rows)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if tp_world_size() == 1:
-            return F.embedding(ids, self.weight)
-        local = ids - self.vocab_start
-        outside = (local < 0) | (local >= self.shard_size)
-        out = F.embedding(local.clamp(0, self.shard_size - 1), self.weight)
-        return all_reduce_sum(out.masked_fill(outside.unsqueeze(-1), 0))
-
-
-def _expect_shape(loaded: torch.Tensor, shape: tuple[int, ...]) -> None:
-    """Check the full (unsliced) checkpoint tensor before taking this rank's slice of it."""
-    if tuple(loaded.shape) != tuple(shape):
-        raise ValueError(f"shape mismatch: expected {tuple(shape)}, got {tuple(loaded.shape)}")
-
-
-def _checked_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    if dst.shape != src.shape:
-        raise ValueError(f"shape mismatch: expected {tuple(dst.shape)}, got {tuple(src.shape)}")
-    dst.copy_(src)
-
-
 class GatedMLP(nn.Module):
     """down(silu(gate(x)) * up(x)), gate and up fused into one column-parallel matmul."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype,
+                 shard: TPShard = WHOLE) -> None:
         super().__init__()
-        self.gate_up_proj = ColumnParallelLinear(
-            hidden_size, [intermediate_size, intermediate_size], bias=False, dtype=dtype)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, dtype=dtype)
+        channels = even_range(intermediate_size, shard, "intermediate size")
+        self.gate_up_proj = ColumnParallelLinear(hidden_size, [channels, channels], bias=False,
+                                                 dtype=dtype)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, dtype, shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)

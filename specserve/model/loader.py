@@ -5,8 +5,9 @@ A folder: reads `config.json` and either `model.safetensors` or a sharded
 tensors under their Hugging Face names, dequantized here to the model's dtype, except the
 Q8_0 / Q4_0 / Q4_1 projections, which keep the file's blocks (`quant.use_file_blocks`).
 Each checkpoint tensor is routed to the parameter that owns it together with a shard id (q/k/v
-and gate/up are fused here), and that parameter's `weight_loader` copies its tensor-parallel
-slice. Every failure names the folder, file and tensor involved.
+and gate/up are fused here), and that parameter's `weight_loader` reads its tensor-parallel
+slice from the file (a lazy safetensors slice: a rank reads only its own part). Every failure
+names the folder, file and tensor involved.
 """
 
 from __future__ import annotations
@@ -18,8 +19,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from ..distributed import TPShard, shard_for_checkpoint
+from ..kernels.quant_reference import FORMATS
 from .architectures import ArchSpec, DecoderLM
-from .quant import quantize_model, use_file_blocks
+from .parallel import QUANT_BLOCK, check_split
+from .quant import quantize_model, resolve_quantization, use_file_blocks
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -115,14 +119,20 @@ def is_gguf(path: str | Path) -> bool:
 
 
 def load_model(path: str | Path, dtype: str | torch.dtype = "auto",
-               device: str | torch.device = "cpu", quantization: str | None = None) -> DecoderLM:
+               device: str | torch.device = "cpu", quantization: str | None = None,
+               shard: TPShard | None = None) -> DecoderLM:
     """Build the decoder for the checkpoint's architecture and load its weights (this rank's
     slice). `path` is a Hugging Face folder or a `.gguf` file (dequantized to `dtype`, except
     Q8_0 / Q4_0 / Q4_1 projections, which run on their own blocks when `quantization` is None).
-    `quantization` ("int8", "int4", see quant.py) quantizes the projections at load."""
+    `quantization` ("int8", "int4", see quant.py) quantizes the projections at load.
+
+    `shard`: the tensor-parallel slice to hold; by default the one the tensor-parallel launcher
+    registered for this checkpoint (`distributed.shard_for_checkpoint`), else the whole model.
+    """
     path = Path(path)
+    shard = shard if shard is not None else shard_for_checkpoint(path)
     if is_gguf(path):
-        return _load_gguf(path, dtype, device, quantization)
+        return _load_gguf(path, dtype, device, quantization, shard)
     config = load_hf_config(path)
     spec = ArchSpec.from_hf_config(config)
     torch_dtype = resolve_dtype(dtype, config)
@@ -134,16 +144,21 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto",
     def tensors():
         for file, names in sorted(by_file.items()):
             handle = _open(file)
-            for name in sorted(names):
-                yield file, name, lambda handle=handle, name=name: handle.get_tensor(name)
+            for name in sorted(names):  # a lazy slice: a rank reads only its own part
+                yield file, name, lambda handle=handle, name=name: handle.get_slice(name)
 
-    model = DecoderLM(spec, torch_dtype)
-    _check_complete(model, _fill(model, tensors(), torch_dtype), path)
+    if resolve_quantization(quantization) is not None:
+        _check_quantized_split(spec, shard)
+    model = DecoderLM(spec, torch_dtype, shard)
+    _check_complete(model, _fill(model, tensors()), path)
     return quantize_model(model, quantization).to(device).eval()
 
 
 def _load_gguf(path: Path, dtype: str | torch.dtype, device: str | torch.device,
-               quantization: str | None) -> DecoderLM:
+               quantization: str | None, shard: TPShard) -> DecoderLM:
+    """A GGUF's tensors are read whole and dequantized, then each rank keeps its slice (the
+    file's blocks have no lazy slicing); Q8_0 / Q4_0 / Q4_1 projections then take this rank's
+    rows or block columns of the file's blocks."""
     from .gguf import GGUFError, read_gguf
 
     try:
@@ -154,51 +169,64 @@ def _load_gguf(path: Path, dtype: str | torch.dtype, device: str | torch.device,
         all_f32 = all(t.ggml_type.name == "F32" for t in ckpt.tensors.values())
         dtype = torch.float32 if all_f32 else torch.bfloat16
     torch_dtype = resolve_dtype(dtype, ckpt.config)
-    model = DecoderLM(ckpt.spec, torch_dtype)
+    file_blocks = quantization is None and any(t.ggml_type.name in FORMATS
+                                               for t in ckpt.tensors.values())
+    if file_blocks or resolve_quantization(quantization) is not None:
+        _check_quantized_split(ckpt.spec, shard)
+    model = DecoderLM(ckpt.spec, torch_dtype, shard)
     tensors = ((path, name, lambda t=t: t.dequantize(torch_dtype))
                for name, t in sorted(ckpt.tensors.items()))
-    _check_complete(model, _fill(model, tensors, torch_dtype), path)
-    if quantization is None:
+    _check_complete(model, _fill(model, tensors), path)
+    if file_blocks:
         use_file_blocks(model, ckpt.tensors)
     else:
         quantize_model(model, quantization)
     return model.to(device).eval()
 
 
-def _fill(model: DecoderLM, tensors, torch_dtype: torch.dtype) -> set[tuple[str, int]]:
-    """Copy checkpoint tensors into `model`; returns the (parameter, shard) pairs filled.
+def _check_quantized_split(spec: ArchSpec, shard: TPShard) -> None:
+    """Quantized weights split on whole scale blocks: a rank's row-parallel input must not end
+    inside one (its blocks would differ from the whole model's)."""
+    check_split(spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.intermediate_size, shard,
+                quant_block=QUANT_BLOCK)
 
-    `tensors` yields (file, checkpoint name, read()) per tensor; each is routed to the parameter
-    that owns it and read only then."""
+
+def _fill(model: DecoderLM, tensors) -> set[tuple[str, int]]:
+    """Copy this rank's part of each checkpoint tensor into `model`; returns the (parameter,
+    shard) pairs filled.
+
+    `tensors` yields (file, checkpoint name, open()) per tensor; open() gives the tensor or a
+    lazy safetensors slice, and is called only once the tensor is routed to a parameter. Each
+    parameter's `weight_loader` reads its tensor-parallel part (copy_ converts the dtype)."""
     spec = model.spec
     params = dict(model.named_parameters())
     owners = {name: mod for mod_name, mod in model.named_modules()
               for name in (f"{mod_name}.weight", f"{mod_name}.bias") if name in params}
     loaded: set[tuple[str, int]] = set()
-    for file, name, read in tensors:
+    for file, name, open_tensor in tensors:
         route = _route(name, spec)
         if route is None:
             continue
         target, shard = route
         if target not in params:
             raise CheckpointError(f"{file}: unexpected tensor {name!r} for {spec.architecture}")
-        try:
-            tensor = read()
-        except Exception as exc:
-            raise CheckpointError(f"{file}: tensor {name!r} cannot be read: {exc}") from exc
         loader = getattr(owners[target], "weight_loader", None)
         try:
             with torch.no_grad():
+                source = open_tensor()
                 if loader is None:  # norms: whole tensor on every rank
+                    tensor = source if isinstance(source, torch.Tensor) else source[:]
                     if params[target].shape != tensor.shape:
                         raise ValueError(f"shape mismatch: expected "
                                          f"{tuple(params[target].shape)}, got "
                                          f"{tuple(tensor.shape)}")
                     params[target].data.copy_(tensor)
                 else:
-                    loader(params[target], tensor.to(torch_dtype), shard)
+                    loader(params[target], source, shard)
         except ValueError as exc:
             raise CheckpointError(f"{file}: tensor {name!r}: {exc}") from exc
+        except Exception as exc:  # safetensors and gguf raise their own types on a bad tensor
+            raise CheckpointError(f"{file}: tensor {name!r} cannot be read: {exc}") from exc
         loaded.add((target, shard))
     return loaded
 

@@ -21,9 +21,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..distributed import all_reduce_sum
+from ..distributed import WHOLE, TPShard, all_reduce_sum
 from ..kernels.quant import quant_linear
-from ..kernels.quant_reference import FORMATS, QuantizedWeight, quant_format, quantize
+from ..kernels.quant_reference import BLOCK, FORMATS, QuantizedWeight, quant_format, quantize
+from .parallel import ColumnParallelLinear, RowParallelLinear
 
 # The quantization names of LLM(quantization=...) and --quantization -> GGUF block format.
 QUANTIZATIONS = {"int8": "Q8_0", "int4": "Q4_1", "q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1"}
@@ -41,16 +42,16 @@ def resolve_quantization(name: str | None) -> str | None:
 
 
 class QuantizedLinear(nn.Module):
-    """y = x dequantize(W)^T + b with W in GGUF blocks; `reduce` sums a row-parallel layer's
-    partial products across tensor-parallel ranks."""
+    """y = x dequantize(W)^T + b with W in GGUF blocks; `shard` is a row-parallel layer's
+    tensor-parallel shard, whose partial products are summed across ranks (WHOLE: no sum)."""
 
     def __init__(self, qweight: QuantizedWeight, bias: torch.Tensor | None,
-                 reduce: bool = False) -> None:
+                 shard: TPShard = WHOLE) -> None:
         super().__init__()
         self.register_buffer("blocks", qweight.blocks)  # [N, row_bytes] uint8
         self.register_buffer("bias", bias)
         self.qweight = qweight
-        self.reduce = reduce
+        self.shard = shard
 
     def _apply(self, fn, recurse: bool = True):
         super()._apply(fn, recurse)  # moves the blocks buffer: keep qweight pointing at it
@@ -59,7 +60,7 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = quant_linear(x, self.qweight, self.bias)
-        return all_reduce_sum(out) if self.reduce else out
+        return all_reduce_sum(out, self.shard)
 
     def extra_repr(self) -> str:
         n, k = self.qweight.shape
@@ -67,8 +68,8 @@ class QuantizedLinear(nn.Module):
 
 
 def quantize_model(model: nn.Module, quantization: str | None) -> nn.Module:
-    """Replace every tensor-parallel linear of model by its quantized form (in place)."""
-    from .layers import ColumnParallelLinear, RowParallelLinear
+    """Replace every tensor-parallel linear of model by its quantized form (in place); each rank
+    quantizes its own slice (`loader` checks that a row-parallel slice holds whole blocks)."""
 
     fmt = resolve_quantization(quantization)
     if fmt is None:
@@ -79,7 +80,7 @@ def quantize_model(model: nn.Module, quantization: str | None) -> nn.Module:
         qweight = quantize(module.weight.data, quant_format(fmt))
         bias = getattr(module, "bias", None)
         quantized = QuantizedLinear(qweight, None if bias is None else bias.data,
-                                    reduce=isinstance(module, RowParallelLinear))
+                                    _reduce_shard(module))
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, quantized)
     return model
@@ -94,16 +95,20 @@ _FUSED_PARTS = {
 }
 
 
+def _reduce_shard(module: nn.Module) -> TPShard:
+    return module.shard if isinstance(module, RowParallelLinear) else WHOLE
+
+
 def use_file_blocks(model: nn.Module, tensors: Mapping) -> list[str]:
     """Run every linear whose checkpoint weights all have one of `FORMATS` on the file's blocks.
 
     tensors: Hugging Face name -> a GGUF tensor with `ggml_type`, `shape` (out, in) and `raw`
     (uint8 [out, bytes per row], the file's blocks). A linear whose parts differ in type, or
-    have another type, keeps the dequantized weight it was loaded with. Returns the names of
-    the linears replaced.
+    have another type, keeps the dequantized weight it was loaded with. Under tensor
+    parallelism each linear takes this rank's part of the blocks: its rows of each fused part
+    (column-parallel) or its whole blocks of input columns (row-parallel, split on block
+    boundaries: see loader). Returns the names of the linears replaced.
     """
-    from .layers import RowParallelLinear
-
     replaced = []
     for layer in range(len(model.layers)):
         for ours, parts in _FUSED_PARTS.items():
@@ -111,14 +116,22 @@ def use_file_blocks(model: nn.Module, tensors: Mapping) -> list[str]:
             types = {t.ggml_type.name for t in found if t is not None}
             if None in found or len(types) != 1 or next(iter(types)) not in FORMATS:
                 continue
+            fmt = FORMATS[next(iter(types))]
             name = f"layers.{layer}.{ours}"
             module = model.get_submodule(name)
-            blocks = torch.from_numpy(np.ascontiguousarray(np.concatenate([t.raw for t in found])))
-            shape = (sum(t.shape[0] for t in found), found[0].shape[1])
-            qweight = QuantizedWeight(FORMATS[next(iter(types))], blocks, shape)
+            if isinstance(module, RowParallelLinear):  # [out, this rank's blocks of columns]
+                cols = module.cols
+                first, end = cols.start // BLOCK, -(-(cols.start + cols.size) // BLOCK)
+                raw = [t.raw[:, first * fmt.block_bytes:end * fmt.block_bytes] for t in found]
+                shape = (found[0].shape[0], cols.size)
+            else:  # [this rank's rows of each part, in]
+                raw = [t.raw[r.start:r.start + r.size] for t, r in zip(found, module.ranges)]
+                shape = (sum(r.size for r in module.ranges), found[0].shape[1])
+            blocks = torch.from_numpy(np.ascontiguousarray(np.concatenate(raw)))
             bias = getattr(module, "bias", None)
-            quantized = QuantizedLinear(qweight, None if bias is None else bias.data,
-                                        reduce=isinstance(module, RowParallelLinear))
+            quantized = QuantizedLinear(QuantizedWeight(fmt, blocks, shape),
+                                        None if bias is None else bias.data,
+                                        _reduce_shard(module))
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent), child, quantized)
             replaced.append(name)

@@ -5,17 +5,27 @@ decode token, or a token tree (root + nodes). The runner computes slot mappings 
 tables, stacks the per-segment masks into one `local_mask`, runs the model once and applies the
 LM head only to the rows that need logits. Target and draft each have their own runner over the
 same block ids.
+
+Under tensor parallelism the model is split across ranks (`model.shard`) and rank 0's runner
+drives the others: every call's flat inputs (`StepInputs`: token ids, positions, slot mapping,
+block tables, query starts, context lengths, mask, logit rows) and every KV move are broadcast
+as int64 tensors before rank 0 runs its own shard; each worker's runner (`tp_worker`) runs the
+same forward on its shard, the row-parallel layers all-reduce, and the logits gather to rank 0.
+The engine above sees one runner, whatever the world size.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import IntEnum
 
 import torch
 
 from specserve.kernels import copy_kv_slots
 
+from ..distributed import broadcast_from_rank0, send_command
 from .architectures import DecoderLM
 from .attention import AttentionMetadata
 
@@ -45,6 +55,62 @@ def kv_bytes_per_block(model: DecoderLM, block_size: int, dtype: torch.dtype) ->
     return per_token * block_size * torch.tensor([], dtype=dtype).element_size()
 
 
+class Command(IntEnum):
+    """What rank 0 asks the workers to do; header field 0 of each control message."""
+
+    INIT_CACHE = 1  # [cmd, runner id, model, num_blocks, block_size]
+    FORWARD = 2  # [cmd, runner id, T, B, max_blocks, logit rows, max_query_len, has_mask]
+    MOVE_KV = 3  # [cmd, runner id, number of moves]; payload: src slots, dst slots
+    STOP = 4
+    LOGITS = 5  # [cmd, runner id, rows]; then the hidden rows [rows, H] over the model group
+
+
+# Rank 0 numbers the runners that drive workers; a worker keeps one runner per number.
+_runner_ids = itertools.count()
+
+
+@dataclass
+class StepInputs:
+    """One forward's flat inputs, built by rank 0 and broadcast to every worker."""
+
+    token_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64, rotary position of each token
+    slot_mapping: torch.Tensor  # [T] int64
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    context_lens: torch.Tensor  # [B] int32
+    logit_rows: torch.Tensor  # [R] int64, flat rows whose logits are wanted
+    local_mask: torch.Tensor | None  # [T, max_query_len] bool; None = causal everywhere
+    max_query_len: int
+
+    def header(self) -> list[int]:
+        """The FORWARD header's fields after [cmd, runner id]."""
+        return [len(self.token_ids), len(self.context_lens), self.block_tables.shape[1],
+                len(self.logit_rows), self.max_query_len, int(self.local_mask is not None)]
+
+    def payload(self) -> torch.Tensor:
+        """Everything but the header, as one int64 tensor (one broadcast)."""
+        parts = [self.token_ids, self.positions, self.slot_mapping, self.block_tables.flatten(),
+                 self.query_start_loc, self.context_lens, self.logit_rows]
+        if self.local_mask is not None:
+            parts.append(self.local_mask.flatten())
+        return torch.cat([p.to(torch.int64) for p in parts])
+
+    @staticmethod
+    def payload_len(header: Sequence[int]) -> int:
+        T, B, max_blocks, R, max_q, has_mask = header
+        return 3 * T + B * max_blocks + (B + 1) + B + R + (T * max_q if has_mask else 0)
+
+    @classmethod
+    def unpack(cls, header: Sequence[int], payload: torch.Tensor) -> StepInputs:
+        T, B, max_blocks, R, max_q, has_mask = header
+        sizes = [T, T, T, B * max_blocks, B + 1, B, R, T * max_q if has_mask else 0]
+        ids, pos, slots, tables, qsl, ctx, rows, mask = payload.split(sizes)
+        return cls(ids, pos, slots, tables.view(B, max_blocks).to(torch.int32),
+                   qsl.to(torch.int32), ctx.to(torch.int32), rows,
+                   mask.view(T, max_q).bool() if has_mask else None, max_q)
+
+
 class ModelRunner:
     def __init__(self, model: DecoderLM, num_blocks: int, block_size: int) -> None:
         self.model = model
@@ -52,10 +118,17 @@ class ModelRunner:
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         attn = model.layers[0].self_attn
-        # [L, 2, num_blocks, block_size, Hkv, D]
+        # [L, 2, num_blocks, block_size, Hkv (this rank's), D]
         self.kv_cache = torch.zeros(model.spec.num_layers, 2, num_blocks, block_size,
                                     attn.num_kv_heads, model.spec.head_dim,
                                     dtype=self.dtype, device=self.device)
+        shard = model.shard
+        # Rank 0 of a split model drives the workers' runners of the same model.
+        self.drives_workers = shard.is_split and shard.rank == 0
+        self.runner_id = next(_runner_ids) if self.drives_workers else None
+        if self.drives_workers:
+            send_command([Command.INIT_CACHE, self.runner_id, shard.model, num_blocks,
+                          block_size])
 
     def slots(self, block_table: Sequence[int], positions: Sequence[int]) -> list[int]:
         bs = self.block_size
@@ -63,8 +136,25 @@ class ModelRunner:
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The LM head over final hidden states: [k, H] -> float32 [k, vocab]."""
+        """The LM head over final hidden states: [k, H] -> float32 [k, vocab].
+
+        A split model's head is vocabulary-parallel: rank 0 sends the rows to the workers, every
+        rank computes its range of the vocabulary, and rank 0 gathers them."""
+        if len(hidden) == 0:
+            return torch.zeros(0, self.model.spec.vocab_size)
+        hidden = hidden.to(self.dtype).contiguous()
+        if self.drives_workers:
+            send_command([Command.LOGITS, self.runner_id, len(hidden)])
+            broadcast_from_rank0(hidden, self.model.shard)
         return self.model.compute_logits(hidden)
+
+    def serve_logits(self, rows: int) -> None:
+        """Worker: receive rank 0's `logits` rows [rows, H] and compute this rank's part."""
+        hidden = torch.empty(rows, self.model.spec.hidden_size, dtype=self.dtype,
+                             device=self.device)
+        broadcast_from_rank0(hidden, self.model.shard)
+        with torch.inference_mode():
+            self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def forward(self, segments: Sequence[Segment],
@@ -75,6 +165,23 @@ class ModelRunner:
         `hidden_rows` ([len(hidden_rows), H]); the caller applies `logits` to them in chunks of
         its choosing, so no [rows, vocab] tensor of a whole prompt is ever needed.
         """
+        inputs = self.prepare(segments)
+        if self.drives_workers:
+            send_command([Command.FORWARD, self.runner_id, *inputs.header()], inputs.payload())
+        hidden = self._hidden(inputs)  # [T, H]
+        logits = self._logit_rows(hidden, inputs)
+        if logits is None:  # no segment wants logits
+            logits = torch.zeros(0, self.model.spec.vocab_size)
+        if hidden_out is not None:
+            starts = inputs.query_start_loc.tolist()
+            hidden_out += [hidden[start + torch.tensor(seg.hidden_rows, dtype=torch.long,
+                                                       device=self.device)]
+                           if seg.hidden_rows else hidden[:0]
+                           for seg, start in zip(segments, starts)]
+        return list(logits.split([len(s.logit_rows) for s in segments]))
+
+    def prepare(self, segments: Sequence[Segment]) -> StepInputs:
+        """Flatten the segments into one batch's inputs (host tensors)."""
         ids, positions, slot_mapping, logit_rows = [], [], [], []
         query_start, context_lens = [0], []
         max_blocks = max(len(s.block_table) for s in segments)
@@ -91,24 +198,45 @@ class ModelRunner:
             block_tables[b, : len(seg.block_table)] = torch.tensor(seg.block_table,
                                                                    dtype=torch.int32)
         max_q = max(len(s.token_ids) for s in segments)
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=self.device),
-            block_tables=block_tables.to(self.device),
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=self.device),
-            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=self.device),
+        return StepInputs(
+            token_ids=torch.tensor(ids, dtype=torch.int64),
+            positions=torch.tensor(positions, dtype=torch.int64),
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64),
+            block_tables=block_tables,
+            query_start_loc=torch.tensor(query_start, dtype=torch.int32),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32),
+            logit_rows=torch.tensor(logit_rows, dtype=torch.int64),
             local_mask=self._local_mask(segments, query_start, max_q),
-            max_query_len=max_q,
+            max_query_len=max_q)
+
+    @torch.inference_mode()
+    def execute(self, inputs: StepInputs) -> torch.Tensor | None:
+        """Run this rank's shard; float32 logits [R, vocab] on rank 0, None elsewhere or if R=0.
+
+        Every rank of a split model calls this with the same inputs (the collectives inside
+        pair up in order).
+        """
+        return self._logit_rows(self._hidden(inputs), inputs)
+
+    def _hidden(self, inputs: StepInputs) -> torch.Tensor:
+        """The final hidden states [T, H] of this rank's shard (replicated across ranks)."""
+        dev = self.device
+        mask = inputs.local_mask
+        meta = AttentionMetadata(
+            slot_mapping=inputs.slot_mapping.to(dev),
+            block_tables=inputs.block_tables.to(dev),
+            query_start_loc=inputs.query_start_loc.to(dev),
+            context_lens=inputs.context_lens.to(dev),
+            local_mask=mask.to(dev) if mask is not None else None,
+            max_query_len=inputs.max_query_len,
         )
-        hidden = self.model(torch.tensor(ids, device=self.device),
-                            torch.tensor(positions, device=self.device), self.kv_cache, meta)
-        rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
-        logits = self.model.compute_logits(hidden[rows])
-        if hidden_out is not None:
-            hidden_out += [hidden[start + torch.tensor(seg.hidden_rows, dtype=torch.long,
-                                                       device=self.device)]
-                           if seg.hidden_rows else hidden[:0]
-                           for seg, start in zip(segments, query_start)]
-        return list(logits.split([len(s.logit_rows) for s in segments]))
+        return self.model(inputs.token_ids.to(dev), inputs.positions.to(dev), self.kv_cache,
+                          meta)
+
+    def _logit_rows(self, hidden: torch.Tensor, inputs: StepInputs) -> torch.Tensor | None:
+        if len(inputs.logit_rows) == 0:
+            return None
+        return self.model.compute_logits(hidden[inputs.logit_rows.to(self.device)])
 
     def _local_mask(self, segments: Sequence[Segment], query_start: list[int], max_q: int
                     ) -> torch.Tensor | None:
@@ -121,7 +249,7 @@ class ModelRunner:
             block = (seg.mask if seg.mask is not None
                      else torch.ones(n, n, dtype=torch.bool).tril())
             mask[start:start + n, :n] = block
-        return mask.to(self.device)
+        return mask
 
     def move_kv(self, moves: Sequence[tuple[Sequence[int], int, int]]) -> None:
         """KV compaction: each (block_table, src, dst) moves logical position src to dst."""
@@ -130,5 +258,12 @@ class ModelRunner:
             return
         src = [self.slots(bt, [s])[0] for bt, s, _ in moves]
         dst = [self.slots(bt, [d])[0] for bt, _, d in moves]
-        copy_kv_slots(self.kv_cache, torch.tensor(src, device=self.device),
-                      torch.tensor(dst, device=self.device))
+        slots = torch.tensor(src + dst, dtype=torch.int64)
+        if self.drives_workers:
+            send_command([Command.MOVE_KV, self.runner_id, len(moves)], slots)
+        self.copy_slots(slots)
+
+    def copy_slots(self, slots: torch.Tensor) -> None:
+        """slots [2n] int64: the n source slots, then the n destination slots."""
+        src, dst = slots.to(self.device).chunk(2)
+        copy_kv_slots(self.kv_cache, src, dst)

@@ -43,6 +43,12 @@ class DrainingServer(uvicorn.Server):
             self.force_exit = True
         self.should_exit = True
 
+    def exit_without_drain(self) -> None:
+        """Shut down with no drain wait (the engine can no longer serve): the requests in flight
+        are ended at once with their final events. Safe to call from any thread."""
+        self.drain_timeout = 0.0
+        self.should_exit = True
+
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         for server in self.servers:
             server.close()
