@@ -62,7 +62,8 @@ class EngineCore:
         self.config = config
         self.tokenizer = load_tokenizer(config.target)
         self.target = load_model(config.target, config.dtype, config.device)
-        self.draft = load_model(config.draft, config.dtype, config.device) if config.draft else None
+        self.draft = (load_model(config.draft, config.dtype, config.device, target=self.target)
+                      if config.draft else None)
         if self.draft is not None:
             _check_same_vocabulary(config.target, config.draft, self.tokenizer)
         if str(config.device).startswith("cpu"):

@@ -50,6 +50,11 @@ class ArchSpec:
     inv_freq: tuple[float, ...]
     rope_attention_scaling: float
     sliding_window: int | None
+    # A draft made for one target (see draft_models/chat_recipe.py): its LM head covers only the
+    # `head_vocab_size` most frequent tokens (FR-Spec; the target still verifies every token), and
+    # with `shared_embeddings` its input embeddings are the target's own, given at load.
+    head_vocab_size: int | None = None
+    shared_embeddings: bool = False
 
     @classmethod
     def from_hf_config(cls, config) -> ArchSpec:
@@ -79,6 +84,8 @@ class ArchSpec:
             inv_freq=tuple(inv_freq.tolist()),
             rope_attention_scaling=float(scaling),
             sliding_window=window,
+            head_vocab_size=getattr(config, "draft_vocab_size", None),
+            shared_embeddings=bool(getattr(config, "shares_target_embeddings", False)),
         )
 
 
@@ -162,8 +169,12 @@ class DecoderLM(nn.Module):
         self.embed_tokens = VocabEmbedding(spec.vocab_size, spec.hidden_size, dtype)
         self.layers = nn.ModuleList(DecoderLayer(spec, dtype) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        head_rows = spec.head_vocab_size or spec.vocab_size
         self.lm_head = (None if spec.tie_word_embeddings
-                        else VocabEmbedding(spec.vocab_size, spec.hidden_size, dtype))
+                        else VocabEmbedding(head_rows, spec.hidden_size, dtype))
+        # Reduced head: row i scores token head_token_ids[i]; filled by the loader.
+        self.register_buffer("head_token_ids", torch.zeros(head_rows, dtype=torch.long)
+                             if spec.head_vocab_size else None)
         self.rotary = RotaryEmbedding(spec.head_dim, spec.max_position_embeddings,
                                       torch.tensor(spec.inv_freq), spec.rope_attention_scaling)
         for norm in self._norms():
@@ -182,7 +193,11 @@ class DecoderLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] -> logits [N, vocab] in float32."""
+        """hidden [N, H] -> logits [N, vocab] in float32 (-inf outside a reduced head's tokens)."""
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         logits = linear(hidden, head.weight)
-        return all_gather_last_dim(logits)[..., : self.spec.vocab_size].float()
+        if self.head_token_ids is None:
+            return all_gather_last_dim(logits)[..., : self.spec.vocab_size].float()
+        rows = all_gather_last_dim(logits)[..., : self.spec.head_vocab_size].float()  # [N, K]
+        full = rows.new_full((rows.shape[0], self.spec.vocab_size), float("-inf"))
+        return full.index_copy_(1, self.head_token_ids, rows)  # [N, vocab]

@@ -113,15 +113,21 @@ def is_gguf(path: str | Path) -> bool:
 
 
 def load_model(path: str | Path, dtype: str | torch.dtype = "auto",
-               device: str | torch.device = "cpu") -> DecoderLM:
+               device: str | torch.device = "cpu", target: DecoderLM | None = None) -> DecoderLM:
     """Build the decoder for the checkpoint's architecture and load its weights (this rank's
-    slice). `path` is a Hugging Face folder or a `.gguf` file (dequantized to `dtype`)."""
+    slice). `path` is a Hugging Face folder or a `.gguf` file (dequantized to `dtype`).
+
+    `target`: the loaded target, for a draft that shares its embeddings (config.json's
+    `shares_target_embeddings`); the draft then holds the target's own tensor, not a copy."""
     path = Path(path)
     if is_gguf(path):
         return _load_gguf(path, dtype, device)
     config = load_hf_config(path)
     spec = ArchSpec.from_hf_config(config)
     torch_dtype = resolve_dtype(dtype, config)
+    if spec.shared_embeddings and target is None:
+        raise CheckpointError(f"{path}: this draft uses its target's embeddings; load it "
+                              f"together with its target")
     files = weight_files(path)
     by_file: dict[Path, list[str]] = {}
     for name, file in files.items():
@@ -134,8 +140,25 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto",
                 yield file, name, lambda handle=handle, name=name: handle.get_tensor(name)
 
     model = DecoderLM(spec, torch_dtype)
-    _check_complete(model, _fill(model, tensors(), torch_dtype), path)
+    loaded = _fill(model, tensors(), torch_dtype)
+    if spec.shared_embeddings:
+        _share_embeddings(model, target, path)
+        loaded.add(("embed_tokens.weight", 0))
+    _check_complete(model, loaded, path)
     return model.to(device).eval()
+
+
+def _share_embeddings(draft: DecoderLM, target: DecoderLM, path: Path) -> None:
+    weight = target.embed_tokens.weight
+    want = tuple(draft.embed_tokens.weight.shape)
+    if tuple(weight.shape) != want:
+        raise CheckpointError(f"{path}: this draft needs target embeddings of shape {want}; the "
+                              f"target's are {tuple(weight.shape)} (a draft made for another "
+                              f"model?)")
+    if weight.dtype == draft.embed_tokens.weight.dtype:
+        draft.embed_tokens.weight = weight  # one tensor for both models
+    else:
+        draft.embed_tokens.weight.data.copy_(weight.data)
 
 
 def _load_gguf(path: Path, dtype: str | torch.dtype, device: str | torch.device) -> DecoderLM:
@@ -167,6 +190,16 @@ def _fill(model: DecoderLM, tensors, torch_dtype: torch.dtype) -> set[tuple[str,
               for name in (f"{mod_name}.weight", f"{mod_name}.bias") if name in params}
     loaded: set[tuple[str, int]] = set()
     for file, name, read in tensors:
+        if name == "lm_head.token_ids" and model.head_token_ids is not None:
+            ids = read()
+            if tuple(ids.shape) != tuple(model.head_token_ids.shape) or \
+                    not 0 <= int(ids.min()) <= int(ids.max()) < spec.vocab_size:
+                raise CheckpointError(f"{file}: tensor {name!r}: expected "
+                                      f"{spec.head_vocab_size} token ids in [0, "
+                                      f"{spec.vocab_size}), got shape {tuple(ids.shape)}")
+            model.head_token_ids.copy_(ids)
+            loaded.add(("head_token_ids", 0))
+            continue
         route = _route(name, spec)
         if route is None:
             continue
@@ -195,7 +228,8 @@ def _fill(model: DecoderLM, tensors, torch_dtype: torch.dtype) -> set[tuple[str,
 
 
 def _check_complete(model: DecoderLM, loaded: set[tuple[str, int]], path: Path) -> None:
-    missing = []
+    missing = ([] if model.head_token_ids is None or ("head_token_ids", 0) in loaded
+               else ["lm_head.token_ids"])
     for name, _ in model.named_parameters():
         shards = 3 if "qkv_proj" in name else 2 if "gate_up_proj" in name else 1
         missing += [f"{name}[{s}]" if shards > 1 else name
