@@ -231,3 +231,26 @@ def test_truncated_tensor_data(llama, tmp_path):
     path.write_bytes(path.read_bytes()[:-4096])
     with pytest.raises(GGUFError, match=r"m\.gguf"):
         read_gguf(path)
+
+
+def test_metadata_index_is_reused_and_follows_the_file(llama, tmp_path, monkeypatch):
+    """A second read maps the file through the cached index (no GGUFReader); rewriting the file
+    (new size and mtime) builds a new index."""
+    import specserve.model.gguf as gguf_module
+
+    path = tmp_path / "m.gguf"
+    write_gguf(llama, path, Q.Q8_0)
+    first = read_gguf(path)
+
+    def no_reader(*args, **kwargs):
+        raise AssertionError("GGUFReader used despite the index")
+
+    with monkeypatch.context() as m:
+        m.setattr(gguf_module, "GGUFReader", no_reader)
+        again = read_gguf(path)
+    assert again.spec == first.spec and again.tokenizer == first.tokenizer
+    for name, t in first.tensors.items():
+        assert again.tensors[name].ggml_type == t.ggml_type
+        np.testing.assert_array_equal(again.tensors[name].raw, t.raw)
+    write_gguf(llama, path, Q.Q4_1)
+    assert read_gguf(path).tensors["lm_head.weight"].ggml_type == Q.Q4_1
