@@ -10,7 +10,8 @@ resumes) -> the draft's vocabulary (the ``--head-vocab`` most frequent reply tok
 from the target's embeddings, layers ``--layers`` and final norm -> distillation on the replies
 (``chat_draft.py``) -> the draft saved with the target's tokenizer -> evaluation in the specserve
 engine on ``chat_prompts.HELD_OUT_PROMPTS``: acceptance length per speculation mode. Writes
-``draft/``, ``draft_loss.csv`` and ``results.json`` (all settings, timings, numbers).
+``draft/``, ``draft_loss.csv`` and ``results.json`` (all settings, timings, numbers);
+``--evaluate-only`` re-measures an existing draft into ``evaluation.json``.
 """
 
 from __future__ import annotations
@@ -35,18 +36,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default=str(OUT_DIR))
     p.add_argument("--work", help="folder for the generated replies (default: the specserve "
                    "cache folder)")
-    p.add_argument("--num-prompts", type=int, default=80)
+    p.add_argument("--num-prompts", type=int, default=112)
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--gen-batch-size", type=int, default=16)
     p.add_argument("--top-k", type=int, default=16, help="soft labels kept per reply token")
     p.add_argument("--head-vocab", type=int, default=8192)
     p.add_argument("--layers", default="0,1", help="target layers the draft starts from")
-    p.add_argument("--steps", type=int, default=120)
+    p.add_argument("--steps", type=int, default=100)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--eval-prompts", type=int, default=16)
-    p.add_argument("--eval-tokens", type=int, default=64)
+    p.add_argument("--eval-prompts", type=int, default=12)
+    p.add_argument("--eval-tokens", type=int, default=48)
+    p.add_argument("--evaluate-only", action="store_true",
+                   help="only evaluate the draft in --out and write evaluation.json there")
     p.add_argument("--seed", type=int, default=0)
     # One thread: on the shared 2-core machine a second OpenMP thread mostly waits at barriers.
     p.add_argument("--threads", type=int, default=1)
@@ -89,11 +92,11 @@ def train(draft, batches, steps: int, lr: float, warmup: int, log_path: Path, st
 
 
 def evaluate(target: Path, draft: Path, questions: Sequence[str], max_tokens: int) -> dict:
-    """Acceptance length of each speculation mode in the specserve engine (bfloat16, as served),
-    greedy, all questions in one batch (acceptance does not depend on batching)."""
+    """Acceptance length of each speculation mode in the specserve engine (its default dtype,
+    as served), greedy, all questions in one batch (acceptance does not depend on batching)."""
     from specserve import LLM, SamplingParams
 
-    llm = LLM(target, draft, dtype="bfloat16")
+    llm = LLM(target, draft)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     chats = [[{"role": "user", "content": q}] for q in questions]
     result: dict = {"modes": {}}
@@ -131,6 +134,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
     target_path = Path(args.target) if args.target else default_target()
     out = Path(args.out)
+    if args.evaluate_only:
+        evaluation = evaluate(target_path, out / "draft", HELD_OUT_PROMPTS[:args.eval_prompts],
+                              args.eval_tokens)
+        evaluation["evaluate_s"] = time.time() - start
+        (out / "evaluation.json").write_text(json.dumps(evaluation, indent=2) + "\n")
+        log(json.dumps(evaluation["modes"]), start)
+        return evaluation
     work = Path(args.work) if args.work else cache_dir() / "chat-draft"
     work.mkdir(parents=True, exist_ok=True)
     timings: dict[str, float] = {}
