@@ -15,9 +15,10 @@ import argparse
 import os
 import time
 
+from specserve.draft_models.chat_prompts import HELD_OUT_PROMPTS
+
 from bench.compare import add_common_args, environment, format_rows, log, run_specserve, setup
 from specserve import LLM
-from specserve.draft_models.chat_prompts import HELD_OUT_PROMPTS
 
 
 def main(argv: list[str] | None = None) -> int:
