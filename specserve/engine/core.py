@@ -51,7 +51,8 @@ class EngineCore:
         self.tokenizer = load_tokenizer(config.target)
         self.target = load_model(config.target, config.dtype, config.device, config.quantization)
         self.draft = (load_model(config.draft, config.dtype, config.device,
-                                 config.draft_quantization) if config.draft else None)
+                                 config.draft_quantization, target=self.target)
+                      if config.draft else None)
         if self.draft is not None:
             _check_same_vocabulary(config.target, config.draft, self.tokenizer)
         if str(config.device).startswith("cpu"):

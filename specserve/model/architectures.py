@@ -51,6 +51,11 @@ class ArchSpec:
     inv_freq: tuple[float, ...]
     rope_attention_scaling: float
     sliding_window: int | None
+    # A draft made for one target (see draft_models/chat_recipe.py): its LM head covers only the
+    # `head_vocab_size` most frequent tokens (FR-Spec; the target still verifies every token), and
+    # with `shared_embeddings` its input embeddings are the target's own, given at load.
+    head_vocab_size: int | None = None
+    shared_embeddings: bool = False
 
     @classmethod
     def from_hf_config(cls, config) -> ArchSpec:
@@ -80,6 +85,8 @@ class ArchSpec:
             inv_freq=tuple(inv_freq.tolist()),
             rope_attention_scaling=float(scaling),
             sliding_window=window,
+            head_vocab_size=getattr(config, "draft_vocab_size", None),
+            shared_embeddings=bool(getattr(config, "shares_target_embeddings", False)),
         )
 
 
@@ -168,9 +175,13 @@ class DecoderLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(spec, dtype, shard)
                                     for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        head_rows = spec.head_vocab_size or spec.vocab_size
         self.lm_head = (None if spec.tie_word_embeddings
-                        else VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, dtype,
+                        else VocabParallelEmbedding(head_rows, spec.hidden_size, dtype,
                                                     shard))
+        # Reduced head: row i scores token head_token_ids[i]; filled by the loader.
+        self.register_buffer("head_token_ids", torch.zeros(head_rows, dtype=torch.long)
+                             if spec.head_vocab_size else None)
         self.rotary = RotaryEmbedding(spec.head_dim, spec.max_position_embeddings,
                                       torch.tensor(spec.inv_freq), spec.rope_attention_scaling)
         for norm in self._norms():
@@ -189,6 +200,11 @@ class DecoderLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """hidden [N, H] -> logits [N, vocab] in float32 (on rank 0; None on the others)."""
+        """hidden [N, H] -> logits [N, vocab] in float32 (-inf outside a reduced head's tokens);
+        on rank 0, None on the others."""
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return head.logits(hidden)
+        logits = head.logits(hidden)  # [N, head rows]
+        if logits is None or self.head_token_ids is None:
+            return logits
+        full = logits.new_full((logits.shape[0], self.spec.vocab_size), float("-inf"))
+        return full.index_copy_(1, self.head_token_ids, logits)  # [N, vocab]

@@ -12,13 +12,17 @@ the rows of `attn_q` / `attn_k` of llama-architecture models for its rotary layo
 interleaved rows instead of two halves); the rows are put back here, once, so every consumer sees
 Hugging Face's layout. A block never spans rows, so permuting rows of raw blocks is exact.
 
-The tokenizer is built by transformers from the GGUF (`gguf_file=`), which takes ~15 s for a
-49k vocabulary, so the result is saved once under the cache folder and reloaded from there.
+Two things are slow enough to be done once per file and kept in the cache folder
+(`$SPECSERVE_CACHE`, default ~/.cache/specserve), keyed by the file's path, size and mtime:
+`GGUFReader`'s parse of all metadata (an index of the scalar metadata and the tensors' offsets is
+kept, and later reads memory-map the file directly), and the tokenizer transformers builds from
+the GGUF (`gguf_file=`; ~15 s for a 49k vocabulary), kept as a tokenizer folder.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -57,6 +61,9 @@ _BLOCK_MODULES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Metadata arrays longer than this (the tokenizer's vocabulary, merges, scores) stay out of the
+# index: the tokenizer is built from the file itself, once (load_gguf_tokenizer).
+_MAX_INDEXED_ITEMS = 1024
 _BLOCK = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 
@@ -113,36 +120,68 @@ class GGUFCheckpoint:
         return max(set(types), key=types.count) if types else "F32"
 
 
-def _field(reader: GGUFReader, key: str, default=None):
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
-
-
 def read_gguf(path: str | Path) -> GGUFCheckpoint:
-    """Parse `path`: metadata into a config, tensors into `GGUFTensor`s (memory-mapped)."""
+    """Parse `path`: metadata into a config, tensors into `GGUFTensor`s (memory-mapped).
+
+    `GGUFReader` parses every metadata value in Python, the tokenizer's ~100k strings included
+    (~5 s for SmolLM2, far longer on a busy machine), so what this loader needs from it (the
+    scalar metadata and each tensor's type, shape and file offset) is kept in a small JSON index
+    in the cache folder, keyed by the file's identity; later reads map the file directly.
+    """
     path = Path(path)
     if not path.is_file():
         raise GGUFError(f"{path}: no such GGUF file")
+    index_file = cache_dir() / "gguf-index" / f"{path.stem}-{file_key(path)}.json"
+    try:
+        index = json.loads(index_file.read_text())
+    except (OSError, ValueError):
+        index = _build_index(path)
+        _write_atomically(index_file, json.dumps(index))
+    return _checkpoint(path, index)
+
+
+def _build_index(path: Path) -> dict:
     try:
         reader = GGUFReader(path)
     except Exception as exc:  # gguf raises ValueError/struct.error/... on a bad file
         raise GGUFError(f"{path}: cannot be read as GGUF (truncated or corrupt?): {exc}") from exc
-    arch = _field(reader, "general.architecture")
+    metadata = {}
+    for key, field in reader.fields.items():
+        if len(field.data) <= _MAX_INDEXED_ITEMS:  # skips the token, merge and score lists
+            metadata[key] = _plain(field.contents())
+    tensors = [{"name": t.name, "type": int(t.tensor_type), "dims": [int(d) for d in t.shape],
+                "offset": int(t.data_offset), "nbytes": int(t.n_bytes)} for t in reader.tensors]
+    return {"metadata": metadata, "tensors": tensors}
+
+
+def _plain(value):
+    """A metadata value as JSON-ready Python (numpy scalars and arrays become numbers, lists)."""
+    if isinstance(value, (np.ndarray, np.generic)):
+        return value.tolist()
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _checkpoint(path: Path, index: dict) -> GGUFCheckpoint:
+    meta = index["metadata"]
+    arch = meta.get("general.architecture")
     if arch not in _ARCHITECTURES:
         raise GGUFError(f"{path}: unsupported GGUF architecture {arch!r}; supported: "
                         f"{', '.join(_ARCHITECTURES)}")
+    data = np.memmap(path, dtype=np.uint8, mode="r")
     tensors = {}
-    for t in reader.tensors:
-        tensor = _tensor(path, arch, t, reader)
+    for entry in index["tensors"]:
+        tensor = _tensor(path, arch, entry, data, meta)
         tensors[tensor.name] = tensor
-    config = _hf_config(path, arch, reader, tensors)
+    config = _hf_config(path, arch, meta, tensors)
     tokenizer = GGUFTokenizerInfo(
-        model=_field(reader, "tokenizer.ggml.model", ""),
+        model=meta.get("tokenizer.ggml.model", ""),
         vocab_size=config.vocab_size,
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
-        pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"),
-        chat_template=_field(reader, "tokenizer.chat_template"),
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+        pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
+        chat_template=meta.get("tokenizer.chat_template"),
     )
     try:
         spec = ArchSpec.from_hf_config(config)
@@ -162,28 +201,34 @@ def _hf_name(path: Path, gguf_name: str) -> str:
     return f"model.layers.{layer}.{_BLOCK_MODULES[module]}.{kind}"
 
 
-def _tensor(path: Path, arch: str, t, reader: GGUFReader) -> GGUFTensor:
-    qtype = GGMLQuantizationType(t.tensor_type)
+def _tensor(path: Path, arch: str, entry: dict, data: np.ndarray, meta: dict) -> GGUFTensor:
+    qtype = GGMLQuantizationType(entry["type"])
+    gguf_name = entry["name"]
     if qtype not in SUPPORTED_TYPES:
-        raise GGUFError(f"{path}: tensor {t.name!r} has type {qtype.name}; supported types: "
+        raise GGUFError(f"{path}: tensor {gguf_name!r} has type {qtype.name}; supported types: "
                         f"{', '.join(sorted(q.name for q in SUPPORTED_TYPES))}")
-    name = _hf_name(path, t.name)
-    dims = [int(d) for d in t.shape]  # GGUF order: fastest-varying (input features) first
+    name = _hf_name(path, gguf_name)
+    dims = entry["dims"]  # GGUF order: fastest-varying (input features) first
     if len(dims) not in (1, 2):
-        raise GGUFError(f"{path}: tensor {t.name!r} has {len(dims)} dimensions; expected 1 or 2")
+        raise GGUFError(f"{path}: tensor {gguf_name!r} has {len(dims)} dimensions; expected 1 "
+                        f"or 2")
     shape = tuple(reversed(dims))
     rows = shape[0] if len(shape) == 2 else 1
     block, block_bytes = GGML_QUANT_SIZES[qtype]
     cols = shape[-1]
     if cols % block:
-        raise GGUFError(f"{path}: tensor {t.name!r}: {cols} columns is not a multiple of the "
+        raise GGUFError(f"{path}: tensor {gguf_name!r}: {cols} columns is not a multiple of the "
                         f"{qtype.name} block of {block}")
-    raw = np.asarray(t.data).view(np.uint8).reshape(rows, cols // block * block_bytes)
+    start, nbytes = entry["offset"], entry["nbytes"]
+    if nbytes != rows * cols // block * block_bytes or start + nbytes > data.size:
+        raise GGUFError(f"{path}: tensor {gguf_name!r}: data past the end of the file "
+                        f"(truncated?)")
+    raw = data[start:start + nbytes].reshape(rows, cols // block * block_bytes)
     if arch in _PERMUTED_ARCHITECTURES and name.endswith(("q_proj.weight", "k_proj.weight",
                                                           "q_proj.bias", "k_proj.bias")):
-        heads = _field(reader, f"{arch}.attention.head_count")
+        heads = meta.get(f"{arch}.attention.head_count")
         if "k_proj" in name:  # k is permuted per KV head
-            heads = _field(reader, f"{arch}.attention.head_count_kv", heads)
+            heads = meta.get(f"{arch}.attention.head_count_kv", heads)
         raw = _unpermute_rows(raw, shape, qtype, heads)
     return GGUFTensor(name, qtype, shape, raw)
 
@@ -208,11 +253,11 @@ def _unpermute_rows(raw: np.ndarray, shape: tuple[int, ...], qtype: GGMLQuantiza
     return np.ascontiguousarray(out).reshape(rows, -1)
 
 
-def _hf_config(path: Path, arch: str, reader: GGUFReader, tensors: dict[str, GGUFTensor]):
+def _hf_config(path: Path, arch: str, meta: dict, tensors: dict[str, GGUFTensor]):
     from transformers import LlamaConfig, Qwen2Config
 
     def get(key: str, default=None):
-        return _field(reader, f"{arch}.{key}", default)
+        return meta.get(f"{arch}.{key}", default)
 
     embed = tensors.get("model.embed_tokens.weight")
     if embed is None:
@@ -243,9 +288,9 @@ def _hf_config(path: Path, arch: str, reader: GGUFReader, tensors: dict[str, GGU
         rope_parameters=rope,
         tie_word_embeddings="lm_head.weight" not in tensors,
         attention_bias="model.layers.0.self_attn.q_proj.bias" in tensors,
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
-        pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"),
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+        pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
     )
 
 
@@ -261,6 +306,13 @@ def file_key(path: str | Path) -> str:
     return hashlib.sha256(f"{p}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
 
 
+def _write_atomically(file: Path, text: str) -> None:
+    file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = file.with_name(file.name + f".tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, file)
+
+
 def load_gguf_tokenizer(path: str | Path):
     """The file's tokenizer as a transformers fast tokenizer, cached after the first build."""
     from transformers import AutoTokenizer
@@ -274,7 +326,7 @@ def load_gguf_tokenizer(path: str | Path):
                                                   local_files_only=True)
     except Exception as exc:  # transformers raises many types for an unreadable tokenizer
         raise GGUFError(f"{path}: tokenizer cannot be built from the GGUF: {exc}") from exc
-    tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
+    tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")  # complete before visible
     tokenizer.save_pretrained(tmp)
     try:
         os.replace(tmp, cached)

