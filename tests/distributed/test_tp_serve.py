@@ -79,7 +79,7 @@ def test_torchrun_ranks_generate_like_tp1(tiny_target):
         temperature=0, max_tokens=8))[0].text
     out = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "specserve", "generate", "--target", str(tiny_target), "--tp", "2",
+         "-m", "specserve", "generate", "--raw", "--target", str(tiny_target), "--tp", "2",
          "--prompt", "def add(a, b):", "--max-tokens", "8"],
         capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr
