@@ -23,6 +23,8 @@
 
 #include "cpu_simd.h"
 
+#define PARALLEL_MIN_MACS (1 << 20) /* q.k multiply-adds below which one thread does it all */
+
 /* q.k in fp32 with IEEE products (VDPBF16PS would flush denormals and round differently). */
 static inline float dot_bf16(const uint16_t *a, const uint16_t *b, int64_t D) {
     vf acc = vf_zero();
@@ -39,14 +41,21 @@ int paged_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uint1
                          int64_t block_size, float scale, uint16_t *out, int num_threads) {
     const int64_t T = query_start_loc[num_requests];
     int64_t max_len = 1; /* positions any query can see: the scratch buffers' size */
+    int64_t work = 0;    /* q.k products, at most */
     for (int64_t b = 0; b < num_requests; b++) {
-        const int64_t len = context_lens[b] + query_start_loc[b + 1] - query_start_loc[b];
+        const int64_t n_new = query_start_loc[b + 1] - query_start_loc[b];
+        const int64_t len = context_lens[b] + n_new;
         if (len > max_len) max_len = len;
+        work += n_new * len;
     }
     const int64_t group = num_q_heads / num_kv_heads;
     const int64_t D = head_dim;
     int failed = 0;
-#pragma omp parallel num_threads(num_threads)
+    /* A decode step over a short context is tens of microseconds of work: waking the other
+     * threads and joining them costs a good part of that, and far more on a busy machine
+     * where a thread waits for its time slice. */
+    const int parallel = work * num_q_heads * head_dim >= PARALLEL_MIN_MACS;
+#pragma omp parallel num_threads(num_threads) if (parallel)
     {
         float *scores = malloc(sizeof(float) * (size_t)max_len);
         int64_t *slots = malloc(sizeof(int64_t) * (size_t)max_len);

@@ -54,7 +54,7 @@ Signature = tuple[list, object]  # (argtypes, restype)
 # Source file -> the functions it exports and their ctypes signatures.
 KERNELS: dict[str, dict[str, Signature]] = {
     "cpu_gemv.c": {
-        "gemv_bf16": ([_p] * 5 + [_i64] * 3 + [_i32], None),
+        "gemv_bf16": ([_p] * 5 + [_i64] * 3 + [_i32], ctypes.c_int),
     },
     "cpu_attention.c": {
         "paged_attention_bf16": (
@@ -63,6 +63,9 @@ KERNELS: dict[str, dict[str, Signature]] = {
     "cpu_norm_rope.c": {
         "rms_norm_bf16": ([_p] * 3 + [_i64] * 2 + [_f32], None),
         "rotary_bf16": ([_p] + [_i64] * 4 + [_p] * 2 + [_i64, _p], ctypes.c_int),
+    },
+    "cpu_quant.c": {
+        "quant_matmul": ([_p, _i32, _p, _i32, _p, _p, _i32] + [_i64] * 3 + [_i32], ctypes.c_int),
     },
 }
 
@@ -84,7 +87,7 @@ COMMON_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 
 def supported_isas() -> list[str]:
     """The C paths this CPU can run, best first (torch, always possible, not included)."""
-    flags = _cpu_flags()
+    flags = cpu_flags()
     return [isa for isa, needs in ISA_REQUIRES.items() if needs <= flags]
 
 
@@ -96,7 +99,7 @@ def selected_isa() -> str:
         return supported_isas()[0]
     if wanted not in ISAS:
         raise ValueError(f"SPECSERVE_CPU_ISA={wanted!r}: expected one of {', '.join(ISAS)}")
-    missing = ISA_REQUIRES.get(wanted, set()) - _cpu_flags()
+    missing = ISA_REQUIRES.get(wanted, set()) - cpu_flags()
     if missing:
         raise RuntimeError(f"SPECSERVE_CPU_ISA={wanted}: this CPU lacks "
                            f"{', '.join(sorted(missing))}")
@@ -167,7 +170,7 @@ def build(compiler: str, isa: str) -> Path:
 
 
 @cache
-def _cpu_flags() -> frozenset[str]:
+def cpu_flags() -> frozenset[str]:
     try:
         cpuinfo = Path("/proc/cpuinfo").read_text()
     except OSError:

@@ -1,15 +1,15 @@
-"""bf16 linear layers for few-row (decode and tree-verify) steps on CPU.
+"""bf16 linear layers on CPU: decode and tree-verify steps, and prompt chunks off AVX-512.
 
 At batch 1 a decode step is a chain of matrix-vector products whose cost is reading the
 weights, and torch's bf16 `F.linear` reads them at a fraction of the memory bandwidth. On CPU
 `linear` runs the C kernel in `cpu_gemv.c` (built by `cpu_build.py` for the selected ISA)
-instead. Anything else (no kernel library, fp32 weights, many rows, CUDA tensors) takes
+instead. Anything else (no kernel library, fp32 weights, many rows on avx512, CUDA tensors) takes
 `F.linear`, which is also the reference the tests compare against.
 
-Row-count invariance: on the C path a row's outputs are bit-identical alone or among up to
-MAX_ROWS rows (see cpu_gemv.c). `F.linear` promises no such thing: oneDNN picks its blocking
-and reduction order from the shape, so on the torch path a row's last bits may depend on how
-many rows share the call.
+Row-count invariance: on the C path a row's outputs are bit-identical alone or among any number
+of rows the kernel takes (see cpu_gemv.c; on avx512 up to MAX_ROWS, then F.linear). `F.linear`
+promises no such thing: oneDNN picks its blocking and reduction order from the shape, so on the
+torch path a row's last bits may depend on how many rows share the call.
 """
 
 from __future__ import annotations
@@ -17,11 +17,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .cpu_build import library
+from . import cpu_build
 
-# Above this many rows (prompt chunks) oneDNN's blocked GEMM in F.linear is faster (measured
-# on a 2-core AVX-512 BF16 machine: level at 32 rows, 15% faster at 48).
-MAX_ROWS = 32
+# Rows above which F.linear takes over, per ISA path. With AVX-512 BF16, oneDNN's blocked bf16
+# GEMM is faster for prompt chunks (2-core AVX-512 BF16 machine: level at 32 rows, 15% faster
+# at 48). Without it, torch's bf16 matmul is the slow part of prefill (2-core Zen 3, one layer's
+# four products: 3 GFLOP/s at 48 and 128 rows, where the kernel ran 9-12 under the same load;
+# at 512 rows the kernel runs 51 GFLOP/s per core of CPU time, torch's fp32 GEMM with the
+# conversions 62), so the kernel takes every row count and stays row-count invariant.
+MAX_ROWS = {"avx512": 32}
+INVARIANT_ROWS = 32  # at least this many rows are row-count invariant on every C path
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
@@ -29,18 +34,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """F.linear(x, weight, bias); x [..., K], weight [N, K] -> [..., N] in x's dtype."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     lib = _library()
-    if not (0 < rows <= MAX_ROWS and x.dtype == weight.dtype == torch.bfloat16
+    if lib is None or rows > MAX_ROWS.get(cpu_build.selected_isa(), rows):
+        return F.linear(x, weight, bias)
+    if not (0 < rows and x.dtype == weight.dtype == torch.bfloat16
             and x.device.type == "cpu" and weight.is_contiguous()
-            and (bias is None or bias.dtype == torch.bfloat16)) or lib is None:
+            and (bias is None or bias.dtype == torch.bfloat16)):
         return F.linear(x, weight, bias)
     x2 = x.reshape(rows, x.shape[-1]).contiguous()  # [rows, K]
     _check_features(x2, weight)
     out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=torch.bfloat16)  # [..., N]
     bias = None if bias is None else bias.contiguous()  # kept alive through the call
     # One pass: products, bias and the rounding to bf16 all in the kernel.
-    lib.gemv_bf16(x2.data_ptr(), weight.data_ptr(),
-                  None if bias is None else bias.data_ptr(), None, out.data_ptr(),
-                  rows, weight.shape[0], x.shape[-1], torch.get_num_threads())
+    _checked(lib.gemv_bf16(x2.data_ptr(), weight.data_ptr(),
+                           None if bias is None else bias.data_ptr(), None, out.data_ptr(),
+                           rows, weight.shape[0], x.shape[-1], torch.get_num_threads()))
     return out
 
 
@@ -53,9 +60,14 @@ def gemv_bf16(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     _check_features(x, weight)
     (m, k), n = x.shape, weight.shape[0]
     out = torch.empty(m, n, dtype=torch.float32)
-    lib.gemv_bf16(x.data_ptr(), weight.data_ptr(), None, out.data_ptr(), None, m, n, k,
-                  torch.get_num_threads())
+    _checked(lib.gemv_bf16(x.data_ptr(), weight.data_ptr(), None, out.data_ptr(), None, m, n, k,
+                           torch.get_num_threads()))
     return out
+
+
+def _checked(status: int) -> None:
+    if status != 0:
+        raise MemoryError("gemv_bf16: could not allocate its activation buffer")
 
 
 def _check_features(x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -68,4 +80,4 @@ def available() -> bool:
 
 
 def _library():  # one indirection, so tests can switch the kernel off
-    return library()
+    return cpu_build.library()

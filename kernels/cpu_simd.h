@@ -18,9 +18,10 @@
  *   dot_load(p)            DOT_K bf16 values as a dot_vec
  *   dot_load_tail(p, n)    the first n < DOT_K values, the rest zero
  *   dot_zero() dot_step(acc, x, w) dot_add(a, b) dot_sum(acc) -> float
- * AVX-512 BF16 multiplies bf16 pairs with VDPBF16PS; AVX2 splits each 16 values into even and
- * odd lanes (a shift and a mask widen bf16 to fp32 with no shuffles) with one fp32
- * accumulator each; portable C widens 8 values and multiply-adds them.
+ * AVX-512 BF16 multiplies bf16 pairs with VDPBF16PS; AVX2 and portable C split each 16 values
+ * into even and odd lanes (a shift and a mask widen bf16 to fp32 with no shuffles) with one
+ * fp32 accumulator each. A dot_vec is a plain value: arrays of them hold activations converted
+ * once and reused across weight rows.
  */
 #ifndef SPECSERVE_CPU_SIMD_H
 #define SPECSERVE_CPU_SIMD_H
@@ -154,12 +155,12 @@ SIMD_INLINE dot_acc dot_add(dot_acc a, dot_acc b) {
 SIMD_INLINE float dot_sum(dot_acc acc) { return vf_reduce_add(_mm256_add_ps(acc.even, acc.odd)); }
 
 #else /* SPECSERVE_ISA_PORTABLE */
-/* 32-byte vectors without AVX change the calling convention; every function here is inlined. */
-#pragma GCC diagnostic ignored "-Wpsabi"
 
-#define VF 8
+/* 16-byte vectors: one SSE2 / NEON register each, the baseline of every 64-bit x86 and ARM. */
+#define VF 4
 typedef float vf __attribute__((vector_size(VF * sizeof(float))));
 typedef uint32_t vu __attribute__((vector_size(VF * sizeof(uint32_t))));
+typedef uint16_t vh __attribute__((vector_size(VF * sizeof(uint16_t))));
 SIMD_INLINE vf vf_zero(void) { return (vf){0}; }
 SIMD_INLINE vf vf_set1(float a) { return (vf){0} + a; }
 SIMD_INLINE vf vf_add(vf a, vf b) { return a + b; }
@@ -172,35 +173,53 @@ SIMD_INLINE vf vf_load(const float *p) {
 }
 SIMD_INLINE void vf_store(float *p, vf v) { memcpy(p, &v, sizeof v); }
 SIMD_INLINE vf vf_load_bf16(const uint16_t *p) {
-    vu u;
-    for (int j = 0; j < VF; j++) u[j] = (uint32_t)p[j] << 16;
-    vf v;
-    memcpy(&v, &u, sizeof v);
-    return v;
+    vh h;
+    memcpy(&h, p, sizeof h);
+    return (vf)(__builtin_convertvector(h, vu) << 16);
 }
 SIMD_INLINE void vf_store_bf16(uint16_t *p, vf v) {
-    for (int j = 0; j < VF; j++) p[j] = f32_to_bf16(v[j]);
+    const vu u = (vu)v;
+    const vu nan = (vu)((u & 0x7fffffffu) > 0x7f800000u); /* all ones where NaN */
+    const vu rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    const vu quiet = (u >> 16) | 0x40u;
+    const vh bits = __builtin_convertvector((rounded & ~nan) | (quiet & nan), vh);
+    memcpy(p, &bits, sizeof bits);
 }
 SIMD_INLINE float vf_reduce_add(vf v) {
-    float s4[4], s2[2];
-    for (int j = 0; j < 4; j++) s4[j] = v[j] + v[j + 4];
-    for (int j = 0; j < 2; j++) s2[j] = s4[j] + s4[j + 2];
-    return s2[0] + s2[1];
+    return (v[0] + v[2]) + (v[1] + v[3]);
 }
 
-#define DOT_K VF
-typedef vf dot_vec;
-typedef vf dot_acc;
-SIMD_INLINE dot_vec dot_load(const uint16_t *p) { return vf_load_bf16(p); }
+/* As AVX2: 8 bf16 values split into even and odd lanes by a shift and a mask. */
+#define DOT_K 8
+typedef struct { vf even, odd; } dot_vec;
+typedef struct { vf even, odd; } dot_acc;
+SIMD_INLINE dot_vec dot_split(vu v) {
+    const dot_vec d = {(vf)(v << 16), (vf)(v & 0xffff0000u)};
+    return d;
+}
+SIMD_INLINE dot_vec dot_load(const uint16_t *p) {
+    vu v;
+    memcpy(&v, p, sizeof v);
+    return dot_split(v);
+}
 SIMD_INLINE dot_vec dot_load_tail(const uint16_t *p, int64_t n) {
     uint16_t buf[DOT_K] = {0};
     memcpy(buf, p, (size_t)n * sizeof(uint16_t));
-    return vf_load_bf16(buf);
+    return dot_load(buf);
 }
-SIMD_INLINE dot_acc dot_zero(void) { return (vf){0}; }
-SIMD_INLINE dot_acc dot_step(dot_acc acc, dot_vec x, dot_vec w) { return x * w + acc; }
-SIMD_INLINE dot_acc dot_add(dot_acc a, dot_acc b) { return a + b; }
-SIMD_INLINE float dot_sum(dot_acc acc) { return vf_reduce_add(acc); }
+SIMD_INLINE dot_acc dot_zero(void) {
+    const dot_acc a = {{0}, {0}};
+    return a;
+}
+SIMD_INLINE dot_acc dot_step(dot_acc acc, dot_vec x, dot_vec w) {
+    const dot_acc a = {x.even * w.even + acc.even, x.odd * w.odd + acc.odd};
+    return a;
+}
+SIMD_INLINE dot_acc dot_add(dot_acc a, dot_acc b) {
+    const dot_acc s = {a.even + b.even, a.odd + b.odd};
+    return s;
+}
+SIMD_INLINE float dot_sum(dot_acc acc) { return vf_reduce_add(acc.even + acc.odd); }
 
 #endif
 

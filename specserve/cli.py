@@ -26,11 +26,16 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                    "ngram:K | adaptive (default: the best mode for what is loaded)")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    p.add_argument("--quantization", help="weight-only quantization of the target: int8 | int4 "
+                   "(default: none)")
+    p.add_argument("--draft-quantization", help="the draft's: int8 | int4 | none (default: the "
+                   "target's)")
 
 
 def _engine_options(args: argparse.Namespace) -> dict:
     return dict(target=args.target, draft=args.draft, speculation=args.speculation,  # noqa: C408
-                dtype=args.dtype, device=args.device)
+                dtype=args.dtype, device=args.device, quantization=args.quantization,
+                draft_quantization=args.draft_quantization)
 
 
 # ---- serve --------------------------------------------------------------------------------
@@ -46,29 +51,47 @@ def add_serve(sub) -> None:
                    help="a browser origin allowed besides the server's own (repeatable; "
                    "'*' allows any)")
     p.add_argument("--model-name", help="the model id clients see (default: from --target)")
+    p.add_argument("--max-queued-requests", type=int, default=64, metavar="N",
+                   help="requests held beyond the engine's batch; past it HTTP 429 and "
+                   "WebSocket 'overloaded' (default: 64)")
+    p.add_argument("--max-request-bytes", type=int, default=4 << 20, metavar="N",
+                   help="largest HTTP request body; 413 past it (default: 4 MiB)")
+    p.add_argument("--allowed-hosts", default="", metavar="H,...",
+                   help="Host header names served besides the loopback names and --host "
+                   "('*': any; default with a wildcard --host: any)")
+    p.add_argument("--drain-timeout", type=float, default=20.0, metavar="S",
+                   help="on SIGTERM/SIGINT, seconds in-flight streams may run on before they "
+                   "are ended (default: 20; a second signal exits at once)")
     p.add_argument("--log-level", default="info")
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from .engine import AsyncEngine
     from .engine.core import EngineCore
     from .llm import build_engine_config
-    from .server import create_app, uvicorn_config
+    from .server import ServerLimits, create_app, uvicorn_config
+    from .server.drain import DrainingServer
+    from .server.hosts import default_allowed_hosts
 
     try:
         core = EngineCore(build_engine_config(**_engine_options(args)))
     except (FileNotFoundError, ValueError) as exc:  # no demo pair yet, bad folder or option
         print(f"specserve serve: {exc}", file=sys.stderr)
         return 2
-    app = create_app(AsyncEngine(core), api_key=args.api_key,
-                     allowed_origins=args.allowed_origin, model_name=args.model_name)
+    engine = AsyncEngine(core)
+    limits = ServerLimits.for_engine(engine, max_queued_requests=args.max_queued_requests,
+                                     max_request_bytes=args.max_request_bytes)
+    hosts = default_allowed_hosts(args.host, args.allowed_hosts.split(","))
+    app = create_app(engine, api_key=args.api_key, allowed_origins=args.allowed_origin,
+                     model_name=args.model_name, limits=limits, allowed_hosts=hosts)
     config = uvicorn_config(app, args.host, args.port, args.log_level)
     print(f"specserve: serving {app.state.server.model_name} "
           f"(speculation {core.default_mode}) on http://{args.host}:{args.port}",
           file=sys.stderr, flush=True)
-    uvicorn.Server(config).run()
+    if hosts is None:
+        print("specserve: any Host header is accepted; name the served hosts with "
+              "--allowed-hosts", file=sys.stderr, flush=True)
+    DrainingServer(config, app.state.server.admission, args.drain_timeout).run()
     return 0
 
 

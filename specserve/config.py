@@ -33,13 +33,24 @@ class EngineConfig:
     speculation: object = None  # a spelling, see spec.modes; parsed by the engine
     dtype: str = "auto"
     device: str = "cpu"
+    quantization: str | None = None  # weight-only: None, "int8", "int4" (see model/quant.py)
+    draft_quantization: str | None = None  # the draft's ("none": unquantized)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     @classmethod
     def from_options(cls, target, draft=None, speculation=None, dtype: str = "auto",
-                     tp: int = 1, **options) -> EngineConfig:
-        """The config for `LLM(...)` / CLI keyword options; unknown ones are an error."""
+                     tp: int = 1, quantization: str | None = None,
+                     draft_quantization: str | None = None, **options) -> EngineConfig:
+        """The config for `LLM(...)` / CLI keyword options; unknown ones are an error.
+
+        draft_quantization None means the target's quantization."""
+        from .model.quant import resolve_quantization
+
+        if draft_quantization is None:
+            draft_quantization = quantization
+        resolve_quantization(quantization)  # an unknown name fails here, before any loading
+        resolve_quantization(draft_quantization)
         if tp != 1:
             raise ValueError("tensor parallelism (tp > 1) is not available yet")
         cache_keys = {f.name for f in fields(CacheConfig)}
@@ -50,5 +61,6 @@ class EngineConfig:
         return cls(
             target=Path(target), draft=Path(draft) if draft is not None else None,
             speculation=speculation, dtype=dtype, device=options.get("device", "cpu"),
+            quantization=quantization, draft_quantization=draft_quantization,
             cache=CacheConfig(**{k: v for k, v in options.items() if k in cache_keys}),
             scheduler=SchedulerConfig(**{k: v for k, v in options.items() if k in sched_keys}))

@@ -26,18 +26,22 @@ def demo_pair() -> tuple[Path, Path]:
 
 
 def build_engine_config(target=None, draft=None, speculation=None, dtype="auto", tp: int = 1,
-                        **options) -> EngineConfig:
+                        quantization=None, draft_quantization=None, **options) -> EngineConfig:
     """Engine config from the LLM/CLI keyword options; `target=None` is the demo pair."""
     if target is None:
         target, demo_draft = demo_pair()
         draft = draft if draft is not None else demo_draft
-    return EngineConfig.from_options(target, draft, speculation, dtype, tp, **options)
+    return EngineConfig.from_options(target, draft, speculation, dtype, tp, quantization,
+                                     draft_quantization, **options)
 
 
 class LLM:
     def __init__(self, target: str | Path | None = None, draft: str | Path | None = None,
-                 speculation=None, dtype: str = "auto", tp: int = 1, **engine_options) -> None:
+                 speculation=None, dtype: str = "auto", tp: int = 1,
+                 quantization: str | None = None, draft_quantization: str | None = None,
+                 **engine_options) -> None:
         self.engine = EngineCore(build_engine_config(target, draft, speculation, dtype, tp,
+                                                     quantization, draft_quantization,
                                                      **engine_options))
         self.tokenizer = self.engine.tokenizer
 

@@ -48,8 +48,9 @@ class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.tokenizer = load_tokenizer(config.target)
-        self.target = load_model(config.target, config.dtype, config.device)
-        self.draft = load_model(config.draft, config.dtype, config.device) if config.draft else None
+        self.target = load_model(config.target, config.dtype, config.device, config.quantization)
+        self.draft = (load_model(config.draft, config.dtype, config.device,
+                                 config.draft_quantization) if config.draft else None)
         if self.draft is not None:
             _check_same_vocabulary(config.target, config.draft, self.tokenizer)
         if str(config.device).startswith("cpu"):
@@ -156,7 +157,8 @@ class EngineCore:
     @property
     def limits(self) -> EngineLimits:
         blocks = self.block_manager
-        return EngineLimits(self.max_model_len, blocks.num_blocks * blocks.block_size)
+        return EngineLimits(self.max_model_len, blocks.num_blocks * blocks.block_size,
+                            self.config.scheduler.max_num_seqs)
 
     def kv_pool(self) -> KVPoolStats:
         blocks = self.block_manager

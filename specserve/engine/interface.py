@@ -29,6 +29,7 @@ class ModelInfo:
 class EngineLimits:
     max_model_len: int  # prompt + output tokens one request may reach
     kv_pool_tokens: int  # KV slots in the whole pool (blocks x block size)
+    max_num_seqs: int  # requests run side by side
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,8 @@
 
 A folder: reads `config.json` and either `model.safetensors` or a sharded
 `model.safetensors.index.json`. A `.gguf` file: `gguf.read_gguf` gives the config and the
-tensors under their Hugging Face names, dequantized here to the model's dtype.
+tensors under their Hugging Face names, dequantized here to the model's dtype, except the
+Q8_0 / Q4_0 / Q4_1 projections, which keep the file's blocks (`quant.use_file_blocks`).
 Each checkpoint tensor is routed to the parameter that owns it together with a shard id (q/k/v
 and gate/up are fused here), and that parameter's `weight_loader` copies its tensor-parallel
 slice. Every failure names the folder, file and tensor involved.
@@ -18,6 +19,7 @@ import torch
 from safetensors import safe_open
 
 from .architectures import ArchSpec, DecoderLM
+from .quant import quantize_model, use_file_blocks
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -113,12 +115,14 @@ def is_gguf(path: str | Path) -> bool:
 
 
 def load_model(path: str | Path, dtype: str | torch.dtype = "auto",
-               device: str | torch.device = "cpu") -> DecoderLM:
+               device: str | torch.device = "cpu", quantization: str | None = None) -> DecoderLM:
     """Build the decoder for the checkpoint's architecture and load its weights (this rank's
-    slice). `path` is a Hugging Face folder or a `.gguf` file (dequantized to `dtype`)."""
+    slice). `path` is a Hugging Face folder or a `.gguf` file (dequantized to `dtype`, except
+    Q8_0 / Q4_0 / Q4_1 projections, which run on their own blocks when `quantization` is None).
+    `quantization` ("int8", "int4", see quant.py) quantizes the projections at load."""
     path = Path(path)
     if is_gguf(path):
-        return _load_gguf(path, dtype, device)
+        return _load_gguf(path, dtype, device, quantization)
     config = load_hf_config(path)
     spec = ArchSpec.from_hf_config(config)
     torch_dtype = resolve_dtype(dtype, config)
@@ -135,10 +139,11 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto",
 
     model = DecoderLM(spec, torch_dtype)
     _check_complete(model, _fill(model, tensors(), torch_dtype), path)
-    return model.to(device).eval()
+    return quantize_model(model, quantization).to(device).eval()
 
 
-def _load_gguf(path: Path, dtype: str | torch.dtype, device: str | torch.device) -> DecoderLM:
+def _load_gguf(path: Path, dtype: str | torch.dtype, device: str | torch.device,
+               quantization: str | None) -> DecoderLM:
     from .gguf import GGUFError, read_gguf
 
     try:
@@ -153,6 +158,10 @@ def _load_gguf(path: Path, dtype: str | torch.dtype, device: str | torch.device)
     tensors = ((path, name, lambda t=t: t.dequantize(torch_dtype))
                for name, t in sorted(ckpt.tensors.items()))
     _check_complete(model, _fill(model, tensors, torch_dtype), path)
+    if quantization is None:
+        use_file_blocks(model, ckpt.tensors)
+    else:
+        quantize_model(model, quantization)
     return model.to(device).eval()
 
 

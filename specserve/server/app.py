@@ -3,8 +3,13 @@
 `create_app(engine)` wires an `AsyncEngine` (already loaded, not started) to the routes; the
 app's lifespan starts the engine thread and stops it, aborting whatever is still running.
 `uvicorn_config` holds the server settings in one place, for `specserve serve` and the tests:
-uvloop, the `websockets` library's sans-I/O implementation, and no per-message deflate (token
-frames are a few dozen bytes; compressing them costs CPU and saves nothing).
+uvloop, the `websockets` library's sans-I/O implementation, no per-message deflate (token
+frames are a few dozen bytes; compressing them costs CPU and saves nothing), and the h11
+protocol with a request-read deadline and a connection cap (`connections.py`).
+
+Around the routes, outermost first: the Host allow-list (`hosts.py`), the HTTP body cap
+(`body_limit.py`), then the Origin and API key checks (`auth.py`). Every error a route or
+starlette itself answers with (404, 405, a bug's 500) has the OpenAI JSON error shape.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from starlette.websockets import WebSocket
 
 from ..engine import AsyncEngine
 from . import openai_api, tokenize_api
+from .admission import Admission
 from .auth import (
     SUBPROTOCOL,
     WS_CLOSE_BAD_SUBPROTOCOL,
@@ -35,7 +41,10 @@ from .auth import (
     GuardMiddleware,
     error_body,
 )
-from .limits import ServerLimits
+from .body_limit import BodyLimitMiddleware
+from .connections import guarded_h11_protocol
+from .hosts import LOOPBACK_NAMES, HostGuard, HostMiddleware
+from .limits import Preparer, ServerLimits, batch_slots, model_facts
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .ws import Session
 
@@ -53,6 +62,8 @@ class ServerState:
     guard: Guard
     metrics: ServerMetrics
     created: int
+    preparer: Preparer  # validation and tokenizing, off the event loop
+    admission: Admission
 
 
 def default_model_name(engine: AsyncEngine) -> str:
@@ -65,14 +76,22 @@ def default_model_name(engine: AsyncEngine) -> str:
 def create_app(engine: AsyncEngine, *, api_key: str | None = None,
                allowed_origins: Iterable[str] | None = None, model_name: str | None = None,
                limits: ServerLimits | None = None,
-               static_dir: str | Path | None = None) -> Starlette:
-    """The app for one engine. The engine starts and stops with the app's lifespan."""
+               static_dir: str | Path | None = None,
+               allowed_hosts: Iterable[str] | None = LOOPBACK_NAMES) -> Starlette:
+    """The app for one engine. The engine starts and stops with the app's lifespan.
+
+    `allowed_hosts`: the names the Host header may carry (`hosts.default_allowed_hosts` says
+    which follow from a bind address); None accepts any.
+    """
     name = model_name or default_model_name(engine)
     guard = Guard(api_key, allowed_origins)
+    limits = limits or ServerLimits.for_engine(engine)
     state = ServerState(engine=engine, model_name=name,
                         model_root=str(engine.model_info.target),
-                        limits=limits or ServerLimits.for_engine(engine), guard=guard,
-                        metrics=ServerMetrics(engine, name), created=int(time.time()))
+                        limits=limits, guard=guard,
+                        metrics=ServerMetrics(engine, name), created=int(time.time()),
+                        preparer=Preparer(model_facts(engine), limits),
+                        admission=Admission(batch_slots(engine) + limits.max_queued_requests))
     static = Path(static_dir) if static_dir is not None else STATIC_DIR
 
     @contextlib.asynccontextmanager
@@ -82,6 +101,7 @@ def create_app(engine: AsyncEngine, *, api_key: str | None = None,
             yield
         finally:
             await engine.shutdown()
+            state.preparer.close()
 
     async def index(request: Request) -> Response:
         return FileResponse(static / "index.html")
@@ -100,8 +120,11 @@ def create_app(engine: AsyncEngine, *, api_key: str | None = None,
         Route("/", index),
         Mount("/static", StaticFiles(directory=static, check_dir=False), name="static"),
     ]
-    app = Starlette(routes=routes, middleware=[Middleware(GuardMiddleware, guard=guard)],
-                    exception_handlers={HTTPException: http_error}, lifespan=lifespan)
+    middleware = [Middleware(HostMiddleware, guard=HostGuard(allowed_hosts)),
+                  Middleware(BodyLimitMiddleware, max_bytes=limits.max_request_bytes),
+                  Middleware(GuardMiddleware, guard=guard)]
+    app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
+                    exception_handlers={HTTPException: http_error, Exception: internal_error})
     app.state.server = state
     return app
 
@@ -120,10 +143,17 @@ async def http_error(request: Request, exc: HTTPException) -> Response:
                     media_type="application/json")
 
 
+async def internal_error(request: Request, exc: Exception) -> Response:
+    # A bug: starlette logs the traceback; the client gets the error shape, not a text page.
+    return Response(error_body("internal server error", "internal_error", "server_error"), 500,
+                    media_type="application/json")
+
+
 async def health(request: Request) -> Response:
     state: ServerState = request.app.state.server
-    running = state.engine.running
-    body = {"status": "ok" if running else "unavailable", "model": state.model_name,
+    running = state.engine.running and not state.admission.draining
+    status = "draining" if state.admission.draining else "ok" if running else "unavailable"
+    body = {"status": status, "model": state.model_name,
             "auth_required": state.guard.auth_required,
             "requests_in_flight": state.engine.num_in_flight()}
     return Response(orjson.dumps(body), 200 if running else 503, media_type="application/json")
@@ -137,7 +167,7 @@ async def metrics(request: Request) -> Response:
 async def websocket_endpoint(websocket: WebSocket) -> None:
     state: ServerState = websocket.app.state.server
     guard = state.guard
-    if not guard.origin_ok(websocket.headers):
+    if not guard.origin_ok(websocket.headers, websocket.url.scheme):
         await websocket.close(code=1008)  # before accept: the handshake is refused with 403
         return
     offered = websocket.scope.get("subprotocols", [])
@@ -169,6 +199,8 @@ def uvicorn_config(app: Starlette, host: str = "127.0.0.1", port: int = 8000,
                    # The session answers frames over the limit with an error event; only
                    # frames far beyond it are cut off by the protocol layer (close 1009).
                    ws_max_size=4 * state.limits.max_message_bytes,
+                   http=guarded_h11_protocol(state.limits.request_read_timeout_s,
+                                             state.limits.max_connections),
                    timeout_graceful_shutdown=5)
     options.update(overrides)
     return uvicorn.Config(app, **options)

@@ -56,16 +56,19 @@ class Guard:
         # Check every candidate (no early exit) to keep the timing independent of the order.
         return sum(self.key_ok(k) for k in [_bearer(headers), *offered] if k is not None) > 0
 
-    def origin_ok(self, headers: Headers) -> bool:
+    def origin_ok(self, headers: Headers, scheme: str = "http") -> bool:
+        """`scheme`: the request's own (http/https, or ws/wss for a WebSocket handshake)."""
         origin = headers.get("origin")
         if origin is None:
             return True
         origin = origin.rstrip("/").lower()
         if "*" in self.allowed_origins or origin in self.allowed_origins:
             return True
-        # Same origin: the page was served by this host:port.
+        # Same origin: the page was served by this scheme, host and port.
         host = headers.get("host", "").lower()
-        return bool(host) and urlsplit(origin).netloc == host
+        page_scheme = {"ws": "http", "wss": "https"}.get(scheme, scheme)
+        parts = urlsplit(origin)
+        return bool(host) and parts.netloc == host and parts.scheme == page_scheme
 
 
 def _bearer(headers: Headers) -> str | None:
@@ -100,7 +103,7 @@ class GuardMiddleware:
             await self.app(scope, receive, send)
             return
         headers = Headers(scope=scope)
-        if not self.guard.origin_ok(headers):
+        if not self.guard.origin_ok(headers, scope.get("scheme", "http")):
             await _respond(send, 403, error_body("cross-origin request refused",
                                                  "origin_not_allowed"))
         elif not _is_public(scope["path"]) and not self.guard.http_key_ok(headers):

@@ -8,7 +8,10 @@ One HTTP request may start several engine requests: prompts x `n` (or `best_of`)
 streamed side by side. Streaming answers are server-sent events, one chunk per engine step and
 choice that produced text (or log-probabilities), ending with `data: [DONE]`. A client that goes
 away mid-request cancels it: a watcher task waits for `http.disconnect` and aborts every engine
-request of it, so KV blocks come back even while no text is being written.
+request of it, so KV blocks come back even while no text is being written. A stream the server
+ends (an engine error, or the drain at shutdown) sends an error chunk (`data: {"error": ...}`)
+before `[DONE]`. Every request holds an admission ticket (`admission.py`), weighted by its engine
+requests, from before it is prepared until its stream ends.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import TYPE_CHECKING, Annotated
 
@@ -29,8 +32,15 @@ from starlette.responses import Response, StreamingResponse
 from ..engine import EngineStoppedError, RequestStream
 from ..outputs import RequestDelta, TokenLogprob
 from ..sampling import MAX_LOGPROBS, SamplingParams
+from ..validation import (
+    PreparedRequest,
+    RequestError,
+    SpeculationSpec,
+    StopSpec,
+    validation_param,
+)
+from .admission import RETRY_AFTER_S, Ticket
 from .auth import error_body
-from .limits import PreparedRequest, RequestError, prepare_request, validation_param
 from .metrics import request_metrics
 from .openai_logprobs import (
     CompletionLogprobs,
@@ -51,8 +61,8 @@ class StreamOptions(msgspec.Struct):
 
 
 class ChatMessage(msgspec.Struct):
-    role: str
-    content: str | list[dict] | None = None
+    role: str  # checked against the chat template's roles by validation
+    content: str | list[dict] | None = None  # text parts only; validation checks each
 
 
 class _Common(msgspec.Struct, kw_only=True):
@@ -61,7 +71,7 @@ class _Common(msgspec.Struct, kw_only=True):
     temperature: Annotated[float, Meta(ge=0)] | None = None
     top_p: Annotated[float, Meta(gt=0, le=1)] | None = None
     max_tokens: Annotated[int, Meta(ge=0)] | None = None  # 0 only for completions with echo
-    stop: str | list[str] | None = None
+    stop: StopSpec | None = None
     seed: int | None = None
     n: Annotated[int, Meta(ge=1)] | None = None
     stream: bool | None = None
@@ -72,7 +82,7 @@ class _Common(msgspec.Struct, kw_only=True):
     # specserve extensions (pass with extra_body= from the openai package)
     top_k: Annotated[int, Meta(ge=-1)] | None = None
     ignore_eos: bool | None = None
-    speculation: str | list[list[int]] | None = None
+    speculation: SpeculationSpec | None = None
     return_tokens_as_token_ids: bool | None = None  # vLLM's: logprob tokens as "token_id:ID"
 
 
@@ -97,8 +107,14 @@ class CompletionRequest(_Common, kw_only=True):
 
 
 def _error(status: int, message: str, code: str, param: str | None = None) -> Response:
+    headers = {"retry-after": str(RETRY_AFTER_S)} if status == 429 else None
     return Response(error_body(message, code, param=param), status,
-                    media_type="application/json")
+                    media_type="application/json", headers=headers)
+
+
+def _shown(name: str, limit: int = 64) -> str:
+    """A client-sent string as error messages quote it: never more than `limit` characters."""
+    return repr(name) if len(name) <= limit else repr(name[:limit]) + "..."
 
 
 async def _decode(request: Request, cls: type[msgspec.Struct]):
@@ -129,7 +145,7 @@ async def retrieve_model(request: Request) -> Response:
     state: ServerState = request.app.state.server
     model = request.path_params["model"]
     if model not in (state.model_name, state.model_root):
-        return _error(404, f"the model {model!r} does not exist; this server serves "
+        return _error(404, f"the model {_shown(model)} does not exist; this server serves "
                       f"{state.model_name!r}", "model_not_found", "model")
     return Response(orjson.dumps(_model_card(state)), media_type="application/json")
 
@@ -144,23 +160,28 @@ async def completions(request: Request) -> Response:
 
 async def _complete(request: Request, chat: bool) -> Response:
     state: ServerState = request.app.state.server
+    ticket: Ticket | None = None
+    streaming = False
     try:
         body = await _decode(request, ChatCompletionRequest if chat else CompletionRequest)
         if body.model not in (state.model_name, state.model_root):
-            return _error(404, f"the model {body.model!r} does not exist; this server serves "
-                          f"{state.model_name!r}", "model_not_found", "model")
+            return _error(404, f"the model {_shown(body.model)} does not exist; this server "
+                          f"serves {state.model_name!r}", "model_not_found", "model")
         _check_supported(body, chat)
         completion = _Completion(state, body, chat)
+        ticket = state.admission.admit(completion.num_requests)
+        await completion.prepare(body)
         completion.start_leaders()
-    except RequestError as exc:
-        return _error(exc.http_status, exc.message, exc.code, exc.param)
-    except EngineStoppedError as exc:
-        return _error(503, str(exc), "server_unavailable")
-    except ValueError as exc:
-        return _error(400, str(exc), "invalid_request")
-
-    watcher = asyncio.create_task(_abort_on_disconnect(request, completion.abort))
-    if not body.stream:
+        ticket.attach(completion.abort)
+        watcher = asyncio.create_task(_abort_on_disconnect(request, completion, ticket))
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            response = StreamingResponse(_sse(completion, watcher, ticket, include_usage),
+                                         media_type="text/event-stream",
+                                         headers={"cache-control": "no-cache",
+                                                  "x-accel-buffering": "no"})
+            streaming = True  # the ticket is _sse's now
+            return response
         try:
             async for choice, delta in completion.events():
                 choice.add(delta)
@@ -169,11 +190,18 @@ async def _complete(request: Request, chat: bool) -> Response:
             completion.abort()
         if completion.error is not None:
             return _error(500, completion.error, "engine_error")
+        if completion.cut_short:
+            return _error(503, "the server is shutting down", "server_unavailable")
         return Response(orjson.dumps(completion.whole()), media_type="application/json")
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return StreamingResponse(_sse(completion, watcher, include_usage),
-                             media_type="text/event-stream",
-                             headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+    except RequestError as exc:
+        return _error(exc.http_status, exc.message, exc.code, exc.param)
+    except EngineStoppedError as exc:
+        return _error(503, str(exc), "server_unavailable")
+    except ValueError as exc:
+        return _error(400, str(exc), "invalid_request")
+    finally:
+        if ticket is not None and not streaming:
+            ticket.release()
 
 
 def _unsupported(message: str, param: str) -> RequestError:
@@ -231,8 +259,8 @@ def _prompts(body: CompletionRequest) -> list[str | list[int]]:
                        "list of strings or of token-id lists", "prompt")
 
 
-def _prepare(state: ServerState, body: _Common, chat: bool,
-             prompt: str | list[int] | None = None) -> PreparedRequest:
+async def _prepare(state: ServerState, body: _Common, chat: bool,
+                   prompt: str | list[int] | None = None) -> PreparedRequest:
     max_tokens = body.max_tokens
     names = {"max_output_tokens": "max_tokens"}
     if chat:
@@ -247,20 +275,24 @@ def _prepare(state: ServerState, body: _Common, chat: bool,
         messages = None
         if max_tokens == 0:  # echo only: the engine computes the prompt and one dropped token
             max_tokens = 1
-    return prepare_request(
-        state.engine, state.limits, messages=messages, prompt=prompt,
+    return await state.preparer.prepare(
+        messages=messages, prompt=prompt,
         temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
         stop=body.stop, max_output_tokens=max_tokens, ignore_eos=body.ignore_eos,
         speculation=body.speculation, param=lambda name: names.get(name, name))
 
 
-async def _abort_on_disconnect(request: Request, abort: Callable[[], None]) -> None:
+async def _abort_on_disconnect(request: Request, completion: _Completion,
+                               ticket: Ticket) -> None:
     # Starlette no longer watches for disconnects while streaming (ASGI spec 2.4), and a
-    # non-streaming request would otherwise run to its end for nobody.
+    # non-streaming request would otherwise run to its end for nobody. The ticket goes back
+    # here too: a response whose client left before it started never runs _sse's cleanup.
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
-            abort()
+            completion.client_gone = True
+            completion.abort()
+            ticket.release()
             return
 
 
@@ -343,19 +375,31 @@ class _Completion:
             self.logprobs = body.logprobs
             self.echo = bool(body.echo)
         self.drop_output = not chat and body.max_tokens == 0  # echo of the prompt only
-        prompts = [None] if chat else _prompts(body)
+        self.prompts = [None] if chat else _prompts(body)
         limit = state.limits.max_choices
-        if len(prompts) * self.samples > limit:
+        if self.num_requests > limit:
             raise RequestError("invalid_field", f"prompts x {'best_of' if best_of else 'n'} is "
-                               f"{len(prompts) * self.samples}; the limit is {limit}",
+                               f"{self.num_requests}; the limit is {limit}",
                                "best_of" if best_of else "n")
-        # best_of ranks samples by their cumulative log-probability, so it needs them.
-        engine_logprobs = self.logprobs if self.samples == self.n else (self.logprobs or 0)
         self.groups: list[_Group] = []
         self.choices: list[_Choice] = []
-        tokenizer = state.engine.tokenizer
-        for prompt in prompts:
-            prepared = _prepare(state, body, chat, prompt)
+        self.queue: asyncio.Queue[tuple[_Choice, RequestDelta]] = asyncio.Queue()
+        self.pumps: list[asyncio.Task] = []
+        self.closed = False
+        self.client_gone = False
+
+    @property
+    def num_requests(self) -> int:
+        """Engine requests this completion starts: prompts x samples."""
+        return len(self.prompts) * self.samples
+
+    async def prepare(self, body: _Common) -> None:
+        """Validate and tokenize each prompt (off the event loop) and plan its samples."""
+        # best_of ranks samples by their cumulative log-probability, so it needs them.
+        engine_logprobs = self.logprobs if self.samples == self.n else (self.logprobs or 0)
+        tokenizer = self.state.engine.tokenizer
+        for prompt in self.prompts:
+            prepared = await _prepare(self.state, body, self.chat, prompt)
             group = _Group(prepared, prompt if isinstance(prompt, str) or prompt is None
                            else tokenizer.decode(prompt))
             base = prepared.params
@@ -368,9 +412,6 @@ class _Completion:
                 group.choices.append(choice)
                 self.choices.append(choice)
             self.groups.append(group)
-        self.queue: asyncio.Queue[tuple[_Choice, RequestDelta]] = asyncio.Queue()
-        self.pumps: list[asyncio.Task] = []
-        self.closed = False
 
     # ---- engine requests -------------------------------------------------------------------
     def start_leaders(self) -> None:
@@ -429,6 +470,11 @@ class _Completion:
     @property
     def error(self) -> str | None:
         return next((c.error for c in self.choices if c.error is not None), None)
+
+    @property
+    def cut_short(self) -> bool:
+        """The server aborted a choice (the drain at shutdown), not the client."""
+        return not self.client_gone and any(c.finish_reason == "abort" for c in self.choices)
 
     def usage(self) -> dict:
         n_prompt = sum(len(g.prepared.prompt_token_ids) for g in self.groups)
@@ -534,7 +580,7 @@ class _Completion:
         return b"data: " + orjson.dumps(chunk) + b"\n\n"
 
 
-async def _sse(completion: _Completion, watcher: asyncio.Task,
+async def _sse(completion: _Completion, watcher: asyncio.Task, ticket: Ticket,
                include_usage: bool) -> AsyncIterator[bytes]:
     try:
         async for choice, delta in completion.events():
@@ -545,7 +591,16 @@ async def _sse(completion: _Completion, watcher: asyncio.Task,
                 yield completion.chunk(choice, None, include_usage)
         if include_usage:
             yield completion.usage_chunk()
+        if completion.error is not None:
+            yield _error_chunk(completion.error, "engine_error")
+        elif completion.cut_short:
+            yield _error_chunk("the server is shutting down", "server_shutdown")
         yield b"data: [DONE]\n\n"
     finally:
         watcher.cancel()
         completion.abort()  # a no-op once finished; frees the blocks if the writer failed
+        ticket.release()
+
+
+def _error_chunk(message: str, code: str) -> bytes:
+    return b"data: " + error_body(message, code, "server_error") + b"\n\n"

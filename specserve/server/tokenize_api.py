@@ -20,8 +20,13 @@ from msgspec import Meta
 from starlette.requests import Request
 from starlette.responses import Response
 
+from ..validation import (
+    RequestError,
+    check_messages,
+    check_prompt_text,
+    validation_param,
+)
 from .auth import error_body
-from .limits import RequestError, _content_text, validation_param
 
 if TYPE_CHECKING:
     from .app import ServerState
@@ -66,14 +71,24 @@ async def _decode(request: Request, cls: type[msgspec.Struct]):
     return body
 
 
-def _tokenize(tokenizer, body: TokenizeRequest) -> list[int]:
+def _checked_chat(state: ServerState, body: TokenizeRequest) -> list[dict] | None:
+    """The request's messages after the same role, content and size checks as a chat request
+    (None for a prompt), before any tokenizer work."""
     if (body.prompt is None) == (body.messages is None):
         raise RequestError("invalid_field", "give exactly one of prompt and messages", "prompt")
+    byte_cap = state.limits.prompt_byte_cap
     if body.prompt is not None:
+        check_prompt_text(body.prompt, byte_cap)
+        return None
+    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.content}
+                for m in body.messages]
+    return check_messages(messages, state.preparer.facts.roles, byte_cap)
+
+
+def _tokenize(tokenizer, body: TokenizeRequest, chat: list[dict] | None) -> list[int]:
+    if chat is None:
         special = True if body.add_special_tokens is None else body.add_special_tokens
         return tokenizer.encode(body.prompt, add_special_tokens=special)
-    chat = [{"role": "system" if m.role == "developer" else m.role,
-             "content": _content_text(m.content or "")} for m in body.messages]
     continue_final = bool(body.continue_final_message)
     generation = (not continue_final if body.add_generation_prompt is None
                   else body.add_generation_prompt)
@@ -94,7 +109,8 @@ async def tokenize(request: Request) -> Response:
     tokenizer = state.engine.tokenizer
     try:
         body = await _decode(request, TokenizeRequest)
-        ids = _tokenize(tokenizer, body)
+        chat = _checked_chat(state, body)
+        ids = await state.preparer.run(lambda: _tokenize(tokenizer, body, chat))
     except RequestError as exc:
         return _json(error_body(exc.message, exc.code, param=exc.param), exc.http_status)
     return _json({"count": len(ids), "max_model_len": state.limits.max_model_len,
@@ -113,7 +129,7 @@ async def detokenize(request: Request) -> Response:
             raise RequestError("invalid_field", f"token ids must be in [0, {vocab})", "tokens")
     except RequestError as exc:
         return _json(error_body(exc.message, exc.code, param=exc.param), exc.http_status)
-    return _json({"prompt": tokenizer.decode(body.tokens)})
+    return _json({"prompt": await state.preparer.run(lambda: tokenizer.decode(body.tokens))})
 
 
 async def tokenizer_info(request: Request) -> Response:

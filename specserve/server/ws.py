@@ -20,12 +20,19 @@ from typing import TYPE_CHECKING, Annotated, Literal
 import msgspec
 import orjson
 from msgspec import UNSET, Meta, UnsetType
-from starlette.websockets import WebSocket, WebSocketDisconnect
+from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketDisconnected
 
 from ..engine import EngineStoppedError, RequestStream
 from ..outputs import RequestDelta
 from ..sampling import MAX_LOGPROBS
-from .limits import RequestError, prepare_request, validation_param
+from ..validation import (
+    RequestError,
+    SpeculationSpec,
+    StopSpec,
+    check_speculation,
+    validation_param,
+)
+from .admission import Ticket
 from .metrics import request_metrics
 from .openai_logprobs import TokenStrings
 
@@ -33,6 +40,9 @@ if TYPE_CHECKING:
     from .app import ServerState
 
 log = logging.getLogger("specserve.server")
+
+# What a send on a socket the client has closed raises (the first send, then every later one).
+_GONE = (WebSocketDisconnect, WebSocketDisconnected)
 
 # ---- client events (validated by msgspec; unknown fields are errors, so typos surface) ------
 
@@ -46,10 +56,10 @@ class SamplingFields(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
     top_p: Annotated[float, Meta(gt=0, le=1)] | UnsetType = UNSET
     top_k: Annotated[int, Meta(ge=-1)] | UnsetType = UNSET
     seed: int | None | UnsetType = UNSET
-    stop: str | Annotated[list[str], Meta(max_length=8)] | None | UnsetType = UNSET
+    stop: StopSpec | None | UnsetType = UNSET
     max_output_tokens: Annotated[int, Meta(ge=1)] | UnsetType = UNSET
     ignore_eos: bool | UnsetType = UNSET
-    speculation: str | list[list[int]] | None | UnsetType = UNSET
+    speculation: SpeculationSpec | None | UnsetType = UNSET
     speculation_events: bool | UnsetType = UNSET
     logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None | UnsetType = UNSET
 
@@ -113,12 +123,13 @@ def _merged(params: SamplingFields, defaults: SamplingFields, name: str):
 class _InFlight:
     """One request of this session between `response.created` and `response.done`."""
 
-    __slots__ = ("stream", "task", "cancelled")
+    __slots__ = ("stream", "task", "cancelled", "ticket")
 
-    def __init__(self, stream: RequestStream) -> None:
+    def __init__(self, stream: RequestStream, ticket: Ticket) -> None:
         self.stream = stream
         self.task: asyncio.Task | None = None
         self.cancelled = False  # by the client (`response.cancel`), not by a shutdown
+        self.ticket = ticket  # back to admission control when the pump ends
 
 
 class Session:
@@ -154,13 +165,18 @@ class Session:
             while True:
                 message = await self.ws.receive()
                 if message["type"] == "websocket.disconnect":
+                    self._log_gone(message.get("code"))
                     return
                 await self.on_frame(message)
-        except WebSocketDisconnect:
-            pass
+        except _GONE as exc:
+            self._log_gone(getattr(exc, "code", None))
         finally:
             self.close_all()
             self.state.metrics.sessions.dec()
+
+    def _log_gone(self, code: int | None) -> None:
+        log.info("session %s: client went away (close code %s, %d request(s) in flight "
+                 "aborted)", self.id, code, len(self.inflight))
 
     def close_all(self) -> None:
         """Abort every request in flight (the engine frees their blocks) and stop the pumps."""
@@ -169,6 +185,7 @@ class Session:
             flight.stream.abort()
             if flight.task is not None:
                 flight.task.cancel()
+            flight.ticket.release()  # a task cancelled before it ran has no finally to do it
         self.inflight.clear()
 
     async def on_frame(self, message: dict) -> None:
@@ -224,9 +241,10 @@ class Session:
             return
         defaults = self.defaults
         fields = {name: _merged(params, defaults, name) for name in _SAMPLING_NAMES}
+        ticket = None
         try:
-            prepared = prepare_request(
-                self.engine, self.limits,
+            ticket = self.state.admission.admit()
+            prepared = await self.state.preparer.prepare(
                 messages=([{"role": m.role, "content": m.content} for m in params.messages]
                           if params.messages is not UNSET else None),
                 prompt=params.prompt if params.prompt is not UNSET else None,
@@ -236,15 +254,16 @@ class Session:
                                              replace(prepared.params, logprobs=logprobs),
                                              f"{self.id}/{rid}", prepared.speculation)
         except RequestError as exc:
-            await self.error(exc.code, exc.message, exc.param, event_id, rid)
+            await self._refuse(ticket, exc.code, exc.message, exc.param, event_id, rid)
             return
         except EngineStoppedError as exc:
-            await self.error("server_unavailable", str(exc), None, event_id, rid)
+            await self._refuse(ticket, "server_unavailable", str(exc), None, event_id, rid)
             return
         except ValueError as exc:  # what only the engine knows to check
-            await self.error("invalid_request", str(exc), None, event_id, rid)
+            await self._refuse(ticket, "invalid_request", str(exc), None, event_id, rid)
             return
-        flight = _InFlight(stream)
+        flight = _InFlight(stream, ticket)
+        ticket.attach(stream.abort)
         self.inflight[rid] = flight
         n_prompt = len(prepared.prompt_token_ids)
         await self.send({"type": "response.created", "request_id": rid,
@@ -254,6 +273,12 @@ class Session:
                                       "speculation": prepared.speculation_name}})
         spec_events = bool(_merged(params, defaults, "speculation_events"))
         flight.task = asyncio.create_task(self._pump(rid, flight, n_prompt, spec_events))
+
+    async def _refuse(self, ticket: Ticket | None, code: str, message: str,
+                      param: str | None, event_id: str | None, rid: str) -> None:
+        if ticket is not None:
+            ticket.release()
+        await self.error(code, message, param, event_id, rid)
 
     async def on_cancel(self, event: ResponseCancel) -> None:
         flight = self.inflight.get(event.request_id)
@@ -269,10 +294,10 @@ class Session:
         defaults = event.session.defaults
         try:  # catch a bad default now, rather than on every later request
             if defaults.speculation not in (UNSET, None):
-                self.engine.parse_speculation(defaults.speculation)
-        except ValueError as exc:
-            await self.error("invalid_field", str(exc), "session.defaults.speculation",
-                             event.event_id)
+                check_speculation(defaults.speculation, self.state.preparer.facts.has_draft,
+                                  "session.defaults.speculation")
+        except RequestError as exc:
+            await self.error(exc.code, exc.message, exc.param, event.event_id)
             return
         max_out = defaults.max_output_tokens
         if max_out is not UNSET and max_out > self.limits.max_output_tokens:
@@ -310,13 +335,15 @@ class Session:
                     if self.inflight.get(rid) is flight:
                         del self.inflight[rid]
                     await send(self._done(rid, flight, delta, n_prompt, n_out))
-        except WebSocketDisconnect:
-            pass  # the receive loop sees the close too and aborts what is left
+        except _GONE:  # the receive loop sees the close too, logs it and aborts the rest
+            pass
         except Exception:  # a bug here must not leave the request running unseen
             log.exception("pump for %s/%s failed", self.id, rid)
             flight.stream.abort()
             if self.inflight.get(rid) is flight:
                 del self.inflight[rid]
+        finally:
+            flight.ticket.release()
 
     def _logprobs(self, delta: RequestDelta) -> list[dict]:
         strings = self.token_strings

@@ -39,6 +39,15 @@ def test_matches_reference_and_brute_force(head_dim, num_q_heads, num_kv_heads, 
     torch.testing.assert_close(out.double(), brute_force_attention(batch), atol=2e-2, rtol=2e-2)
 
 
+def test_a_big_batch_on_several_threads_matches_the_reference():
+    batch = make_batch([(300, causal(64)), (700, DECODE), (20, causal(5))], num_q_heads=8,
+                       num_kv_heads=2, head_dim=64, dtype=torch.bfloat16)
+    out = paged_attention(*batch.args(), impl="cpu")
+    ref = paged_attention(*batch.args(), impl="reference")
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
 def test_auto_takes_the_kernel_for_bf16_and_the_reference_for_fp32(monkeypatch):
     calls = []
     real = cpu_attention.paged_attention_cpu
@@ -75,9 +84,10 @@ def test_head_dim_48_runs_in_the_kernel():
 
 @pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim", [(4, 2, 64), (8, 1, 128)])
 def test_a_chain_row_equals_the_same_token_decoded_alone(num_q_heads, num_kv_heads, head_dim):
-    """Row-count invariance: row i of a verified chain (context c, 7 new tokens) is bit-identical
-    to decoding that token alone over context c + i, and to the chain batched with others."""
-    chain = make_batch([(40, causal(7)), (300, DECODE), (5, causal(3))], num_q_heads=num_q_heads,
+    """Row-count invariance: row i of a verified chain (context c, 7 new tokens), batched with
+    other requests (a prompt chunk makes the batch big enough to run on several threads), is
+    bit-identical to decoding that token alone over context c + i (one thread)."""
+    chain = make_batch([(40, causal(7)), (300, DECODE), (600, causal(16))], num_q_heads=num_q_heads,
                        num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=torch.bfloat16)
     together = paged_attention(*chain.args(), impl="cpu")  # [11, Hq, D]
     for i in range(7):

@@ -20,7 +20,7 @@ def isa_env(monkeypatch: pytest.MonkeyPatch):
             monkeypatch.delenv("SPECSERVE_CPU_ISA", raising=False)
         else:
             monkeypatch.setenv("SPECSERVE_CPU_ISA", value)
-        monkeypatch.setattr(cpu_build, "_cpu_flags", lambda: frozenset(flags))
+        monkeypatch.setattr(cpu_build, "cpu_flags", lambda: frozenset(flags))
         cpu_build.selected_isa.cache_clear()
 
     yield set_env

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from specserve.kernels import cpu_linear
+from specserve.kernels import cpu_build, cpu_linear
 
 
 def _bf16(*shape: int, seed: int) -> torch.Tensor:
@@ -28,10 +28,11 @@ def test_gemv_matches_fp32_reference(cpu_isa: str, m: int, n: int, k: int):
 @pytest.mark.parametrize("n,k", [(77, 1024), (130, 4864), (9, 2048), (33, 1000), (5, 7)])
 def test_a_row_is_bit_identical_alone_or_among_other_rows(cpu_isa: str, n: int, k: int):
     """Fixed reduction order per output element: a row's results do not depend on how many
-    rows share the call (2..MAX_ROWS, every blocking shape) nor on the thread count."""
-    x, w = _bf16(cpu_linear.MAX_ROWS, k, seed=k), _bf16(n, k, seed=n)
+    rows share the call (2..32, every blocking shape), nor on the thread count, nor on the
+    activations being split into blocks of rows (a long prompt chunk)."""
+    x, w = _bf16(cpu_linear.INVARIANT_ROWS, k, seed=k), _bf16(n, k, seed=n)
     alone = torch.cat([cpu_linear.gemv_bf16(x[j : j + 1], w) for j in range(len(x))])  # [32, n]
-    for m in range(2, cpu_linear.MAX_ROWS + 1):
+    for m in range(2, cpu_linear.INVARIANT_ROWS + 1):
         together = cpu_linear.gemv_bf16(x[:m], w)  # [m, n]
         assert torch.equal(together, alone[:m]), f"{m} rows change a row's result"
     threads = torch.get_num_threads()
@@ -40,6 +41,8 @@ def test_a_row_is_bit_identical_alone_or_among_other_rows(cpu_isa: str, n: int, 
         assert torch.equal(cpu_linear.gemv_bf16(x[:5], w), alone[:5])
     finally:
         torch.set_num_threads(threads)
+    long_chunk = torch.cat([x] * 40)  # [1280, k]: several blocks of rows
+    assert torch.equal(cpu_linear.gemv_bf16(long_chunk, w)[-32:], alone)
     # The layer path (bias, bf16 rounding in the kernel) keeps it too.
     b = _bf16(n, seed=7)
     one = torch.cat([cpu_linear.linear(x[j : j + 1], w, b) for j in range(16)])
@@ -75,11 +78,23 @@ def test_linear_takes_the_kernel_for_few_bf16_rows(cpu_isa, monkeypatch, with_bi
     assert (out == want32.to(torch.bfloat16)).float().mean() > 0.95
 
 
+def test_prompt_chunks_take_the_kernel_where_torch_has_no_native_bf16_gemm(cpu_isa, monkeypatch):
+    x, w = _bf16(520, 96, seed=8), _bf16(40, 96, seed=9)
+    recorder = RecordingLibrary(cpu_linear._library())
+    monkeypatch.setattr(cpu_linear, "_library", lambda: recorder)
+    out = cpu_linear.linear(x, w)
+    limit = cpu_linear.MAX_ROWS.get(cpu_isa)
+    assert recorder.calls == (0 if limit is not None and len(x) > limit else 1)
+    want = F.linear(x.float(), w.float()).to(torch.bfloat16)
+    torch.testing.assert_close(out.float(), want.float(), rtol=2 ** -7, atol=1e-6)
+
+
 def test_linear_falls_back_to_f_linear(monkeypatch):
-    """fp32, long prompt chunks and a disabled kernel all give exactly F.linear."""
+    """fp32, long prompt chunks on avx512 and a disabled kernel all give exactly F.linear."""
     monkeypatch.setattr(cpu_linear, "_library", lambda: RecordingLibrary(None, allowed=False))
+    monkeypatch.setattr(cpu_build, "selected_isa", lambda: "avx512")
     w = _bf16(16, 32, seed=4)
-    many = _bf16(cpu_linear.MAX_ROWS + 1, 32, seed=5)
+    many = _bf16(cpu_linear.MAX_ROWS["avx512"] + 1, 32, seed=5)
     assert torch.equal(cpu_linear.linear(many, w), F.linear(many, w))
     xf, wf = torch.randn(2, 32), torch.randn(16, 32)
     assert torch.equal(cpu_linear.linear(xf, wf), F.linear(xf, wf))

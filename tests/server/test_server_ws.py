@@ -328,7 +328,8 @@ def test_engine_not_running_is_server_unavailable(server):
     from specserve.server import create_app
 
     # An AsyncEngine that is never started only reads the core's configuration.
-    client = TestClient(create_app(AsyncEngine(server.core), model_name="tiny"))
+    client = TestClient(create_app(AsyncEngine(server.core), model_name="tiny",
+                                   allowed_hosts=None))  # its Host is "testserver"
     assert client.get("/health").status_code == 503
     with client.websocket_connect("/v1/ws", subprotocols=["specserve.v1"]) as ws:
         assert ws.receive_json()["type"] == "session.created"

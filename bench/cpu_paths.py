@@ -1,0 +1,293 @@
+"""specserve's CPU kernel paths beside llama.cpp on the widened pair, in one run.
+
+    python -m bench.cpu_paths                       # every path this CPU runs, llama.cpp if built
+    python -m bench.cpu_paths --isas avx2,torch --prompts 4 --max-tokens 64 --rounds 2
+
+Rows, batch 1, greedy, the widened target (bf16) with the demo draft, `--threads` threads:
+
+- ``<isa> <mode>``: specserve with ``SPECSERVE_CPU_ISA=<isa>`` (avx512, avx2, portable: the C
+  kernels built for that instruction set; torch: no C kernels), one ``LLM`` per path, for
+  speculation off, chain:2, chain:4 and the default (adaptive on CPU). Within a path every
+  mode's token ids must equal off's before anything is timed (greedy speculation is exact, and
+  the C kernels are row-count invariant).
+- ``llama.cpp bf16``: ``llama-completion`` on a bf16 GGUF of the same target; ``llama.cpp bf16
+  + draft``: ``llama-speculative`` with the draft's bf16 GGUF (its default of up to 3 draft
+  tokens). Made once by ``llamacpp-peer convert`` (``--peer``, default
+  ``../shared/tools/llamacpp-peer`` beside the repository) into ``--gguf-dir``.
+
+Decode tok/s leaves the prompt out: tokens after the first over their time (llama.cpp: its own
+printed eval timing). Rounds are interleaved (the order rotates per prompt and round) and each
+prompt takes its best round, so slow spells of a shared machine hit every row alike; ratios are
+against llama.cpp bf16 without a draft.
+
+Two more tables, also interleaved:
+- verify cost: one target forward over a 5-token chain against a 1-token decode forward at the
+  same context (100 cached tokens), median of `--repeats`; llama.cpp: ``llama-bench`` pp5 / pp1.
+- TTFT of a 512-token prompt: specserve ``generate(max_tokens=1)``, median of `--repeats`;
+  llama.cpp: 512 tokens at its ``llama-bench`` pp512 rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from specserve.kernels import cpu_build
+
+from bench.compare import (
+    Row,
+    Sample,
+    add_common_args,
+    chat_prompts,
+    check_outputs,
+    environment,
+    held_out_questions,
+    load_pair,
+    log,
+    setup,
+    specserve_runner,
+)
+from specserve import LLM, SamplingParams
+from specserve.model.loader import load_tokenizer
+from specserve.model.runner import ModelRunner, Segment
+
+# The peer build script, beside the repository (override with --peer).
+PEER = Path(__file__).resolve().parents[2] / "shared" / "tools" / "llamacpp-peer"
+MODES = ("off", "chain:2", "chain:4", None)  # None: the default speculation
+EVAL_TIME = re.compile(r"(?<!prompt )\beval time =\s*([\d.]+) ms /\s*(\d+) runs")
+SPEC_DECODED = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds")
+LLAMA_BF16, LLAMA_DRAFT = "llama.cpp bf16", "llama.cpp bf16 + draft"
+
+
+def use_isa(isa: str) -> None:
+    """Switch the CPU kernel path of this process (each kernel call asks cpu_build)."""
+    os.environ["SPECSERVE_CPU_ISA"] = isa
+    cpu_build.selected_isa.cache_clear()
+
+
+def on_isa(isa: str, run):
+    def wrapped(prompt: list[int]) -> Sample:
+        use_isa(isa)
+        return run(prompt)
+
+    return wrapped
+
+
+# ---- llama.cpp ------------------------------------------------------------------------------
+def peer_bin(peer: Path) -> Path | None:
+    if not peer.is_file():
+        return None
+    out = subprocess.run([str(peer), "bin"], capture_output=True, text=True).stdout.strip()
+    path = Path(out) if out else None
+    return path if path is not None and (path / "llama-completion").is_file() else None
+
+
+def ensure_gguf(peer: Path, folder: Path, out: Path) -> Path:
+    if not out.is_file():
+        log(f"  converting {folder} -> {out}")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        subprocess.run([str(peer), "convert", str(folder), str(out), "bf16"], check=True,
+                       capture_output=True)
+    return out
+
+
+def llamacpp_runner(bin_dir: Path, target: Path, draft: Path | None, tokenizer,
+                    max_tokens: int, threads: int):
+    """One prompt through llama-completion (no draft) or llama-speculative; decode timing."""
+
+    def run(prompt: list[int]) -> Sample:
+        with tempfile.NamedTemporaryFile("w", suffix=".txt") as f:
+            f.write(tokenizer.decode(prompt) + "\n")  # -f strips one trailing newline
+            f.flush()
+            common = ["-f", f.name, "-n", str(max_tokens), "-t", str(threads), "-tb",
+                      str(threads), "--temp", "0", "--top-k", "1", "-c", "1024"]
+            if draft is None:
+                command = [str(bin_dir / "llama-completion"), "-m", str(target), *common,
+                           "-no-cnv", "--no-warmup"]
+            else:
+                command = [str(bin_dir / "llama-speculative"), "-m", str(target), "-md",
+                           str(draft), *common, "-td", str(threads), "-tbd", str(threads)]
+            done = subprocess.run(command, capture_output=True, text=True, check=True,
+                                  stdin=subprocess.DEVNULL)
+        if draft is None:
+            found = EVAL_TIME.search(done.stderr)
+            if found is None:
+                raise RuntimeError(f"no eval timing from llama-completion:\n{done.stderr[-2000:]}")
+            seconds, tokens = float(found[1]) / 1e3, int(found[2])
+        else:
+            found = SPEC_DECODED.search(done.stderr + done.stdout)
+            if found is None:
+                raise RuntimeError(f"no timing from llama-speculative:\n{done.stderr[-2000:]}")
+            tokens, seconds = int(found[1]), float(found[2])
+        # Row's decode rate is (len(token_ids) - 1) / (e2e - ttft): tokens + 1 ids.
+        return Sample(list(range(tokens + 1)), seconds, 0.0, tokens + 1)
+
+    return run
+
+
+def llama_bench(bin_dir: Path, target: Path, threads: int, repeats: int) -> dict[int, float]:
+    """Prompt-processing rates (tokens/s) for batches of 1, 5 and 512 tokens."""
+    done = subprocess.run(
+        [str(bin_dir / "llama-bench"), "-m", str(target), "-p", "1,5,512", "-n", "0",
+         "-t", str(threads), "-r", str(repeats), "-o", "json"],
+        capture_output=True, text=True, check=True, stdin=subprocess.DEVNULL)
+    return {int(r["n_prompt"]): float(r["avg_ts"]) for r in json.loads(done.stdout)}
+
+
+# ---- specserve's forward costs --------------------------------------------------------------
+def verify_costs(llms: dict[str, LLM], repeats: int) -> dict[str, tuple[float, float]]:
+    """Per path: median seconds of a 1-token and a 5-token chain target forward."""
+    context, blocks = 100, list(range(8))
+    runners = {}
+    for isa, llm in llms.items():
+        use_isa(isa)
+        runner = ModelRunner(llm.engine.target, num_blocks=8, block_size=16)
+        runner.forward([Segment(list(range(3, 3 + context)), range(context), 0, blocks, [])])
+        runners[isa] = runner
+    times: dict[tuple[str, int], list[float]] = {}
+    for _ in range(repeats):
+        for isa, runner in runners.items():
+            use_isa(isa)
+            for rows in (1, 5):
+                segment = Segment(list(range(7, 7 + rows)), range(context, context + rows),
+                                  context, blocks, list(range(rows)))
+                start = time.perf_counter()
+                runner.forward([segment])
+                times.setdefault((isa, rows), []).append(time.perf_counter() - start)
+    return {isa: (statistics.median(times[(isa, 1)]), statistics.median(times[(isa, 5)]))
+            for isa in runners}
+
+
+def ttfts(llms: dict[str, LLM], prompt: list[int], repeats: int) -> dict[str, float]:
+    """Per path: median time to the first token of a `len(prompt)`-token prompt."""
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    times: dict[str, list[float]] = {}
+    for _ in range(repeats):
+        for isa, llm in llms.items():
+            use_isa(isa)
+            out = llm.generate([prompt], params, speculation="off")[0]
+            times.setdefault(isa, []).append(out.metrics["ttft_s"])
+    return {isa: statistics.median(v) for isa, v in times.items()}
+
+
+# ---- decode rows ----------------------------------------------------------------------------
+def measure_decode(runners: dict, groups: dict[str, list[str]], prompts, rounds: int
+                   ) -> list[Row]:
+    log(f"  warm-up and equality check: {len(runners)} rows x {len(prompts)} prompts")
+    checked = {name: [run(list(p)).token_ids for p in prompts] for name, run in runners.items()}
+    for names in groups.values():
+        check_outputs({n: checked[n] for n in names}, names[0])
+    names = list(runners)
+    samples: dict[str, list[list[Sample]]] = {n: [] for n in names}
+    for r in range(rounds):
+        start = time.perf_counter()
+        for n in names:
+            samples[n].append([])
+        for i, prompt in enumerate(prompts):
+            shift = (r + i) % len(names)
+            for n in names[shift:] + names[:shift]:
+                samples[n][r].append(runners[n](list(prompt)))
+        log(f"  round {r + 1}/{rounds}: {time.perf_counter() - start:.1f} s")
+    return [Row(n, samples[n]) for n in names]
+
+
+def format_report(rows: list[Row], verify: dict, ttft: dict, bench: dict[int, float] | None,
+                  prompt_tokens: int) -> str:
+    by_name = {r.name: r for r in rows}
+    base = by_name.get(LLAMA_BF16)
+    base_rate = 1e3 / base.ms_per_token if base else None
+    lines = ["decode (tokens after the first), each prompt's best round",
+             f"| row | tok/s | ms/token | accept | vs {LLAMA_BF16} |", "|---|---|---|---|---|"]
+    for r in rows:
+        rate = 1e3 / r.ms_per_token
+        accept = f"{r.acceptance_length:.2f}" if not r.name.startswith("llama") else "-"
+        ratio = f"{rate / base_rate:.2f}x" if base_rate else "-"
+        lines.append(f"| {r.name} | {rate:.1f} | {r.ms_per_token:.1f} | {accept} | {ratio} |")
+    lines += ["", "verify cost: target forward, 5-token chain vs 1-token decode (median)",
+              "| path | 1 row ms | 5 rows ms | 5 / 1 |", "|---|---|---|---|"]
+    for isa, (one, five) in verify.items():
+        lines.append(f"| {isa} | {one * 1e3:.1f} | {five * 1e3:.1f} | {five / one:.2f} |")
+    if bench:
+        one, five = 1 / bench[1], 5 / bench[5]
+        lines.append(f"| llama.cpp bf16 (llama-bench pp1, pp5) | {one * 1e3:.1f} | "
+                     f"{five * 1e3:.1f} | {five / one:.2f} |")
+    llama_ttft = prompt_tokens / bench[512] if bench else None
+    lines += ["", f"TTFT, {prompt_tokens}-token prompt (median)",
+              f"| row | ms | vs llama.cpp pp{prompt_tokens} |", "|---|---|---|"]
+    for isa, seconds in ttft.items():
+        ratio = f"{seconds / llama_ttft:.2f}x" if llama_ttft else "-"
+        lines.append(f"| {isa} | {seconds * 1e3:.0f} | {ratio} |")
+    if llama_ttft:
+        lines.append(f"| llama.cpp bf16 pp{prompt_tokens} ({bench[512]:.0f} tok/s) | "
+                     f"{llama_ttft * 1e3:.0f} | 1.00x |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.cpu_paths", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--isas", default=",".join([*cpu_build.supported_isas(), "torch"]),
+                        help="comma list of avx512, avx2, portable, torch")
+    parser.add_argument("--repeats", type=int, default=5, help="verify and TTFT repeats")
+    parser.add_argument("--prompt-tokens", type=int, default=512, help="TTFT prompt length")
+    parser.add_argument("--gguf-dir", type=Path,
+                        default=Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+                        / "specserve" / "gguf")
+    parser.add_argument("--peer", type=Path, default=PEER, help="llamacpp-peer script")
+    parser.add_argument("--no-llamacpp", action="store_true")
+    add_common_args(parser)
+    args = parser.parse_args(argv)
+    setup(args)
+    isas = args.isas.split(",")
+    pair = load_pair("widened")
+    tokenizer = load_tokenizer(pair.target)
+    prompts = chat_prompts(tokenizer, held_out_questions(args.prompts))
+    flags = sorted(f for f in cpu_build.cpu_flags() if f.startswith(("avx", "fma", "f16c")))
+    print(f"CPU flags: {' '.join(flags)}; {environment(args.threads)}")
+
+    llms, runners, groups = {}, {}, {}
+    for isa in isas:
+        use_isa(isa)
+        llms[isa] = LLM(pair.target, pair.draft)
+        for mode in MODES:
+            name = f"{isa} {mode or 'default'}"
+            runners[name] = on_isa(isa, specserve_runner(llms[isa], mode, args.max_tokens,
+                                                         args.ignore_eos))
+            groups.setdefault(isa, []).append(name)
+    bin_dir = None if args.no_llamacpp else peer_bin(args.peer)
+    if bin_dir is not None:
+        target_gguf = ensure_gguf(args.peer, pair.target, args.gguf_dir / "widened-bf16.gguf")
+        draft_gguf = ensure_gguf(args.peer, pair.draft, args.gguf_dir / "demo-draft-bf16.gguf")
+        runners[LLAMA_BF16] = llamacpp_runner(bin_dir, target_gguf, None, tokenizer,
+                                              args.max_tokens, args.threads)
+        runners[LLAMA_DRAFT] = llamacpp_runner(bin_dir, target_gguf, draft_gguf, tokenizer,
+                                               args.max_tokens, args.threads)
+    elif not args.no_llamacpp:
+        log(f"  llama.cpp is not built ({args.peer} build): its rows are left out")
+
+    rows = measure_decode(runners, groups, prompts, args.rounds)
+    log("  verify cost")
+    verify = verify_costs(llms, args.repeats)
+    log("  TTFT")
+    long_prompt = [3 + (7 * i) % 4000 for i in range(args.prompt_tokens)]
+    ttft = ttfts(llms, long_prompt, args.repeats)
+    bench = llama_bench(bin_dir, target_gguf, args.threads, args.repeats) if bin_dir else None
+    print(format_report(rows, verify, ttft, bench, args.prompt_tokens))
+    if args.json:
+        args.json.write_text(json.dumps({
+            "environment": environment(args.threads), "cpu_flags": flags,
+            "rows": [r.summary() for r in rows],
+            "verify_s": {k: list(v) for k, v in verify.items()}, "ttft_s": ttft,
+            "llama_bench_tok_s": bench}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,348 @@
+"""Weight-only quantization: decode speed beside bf16 and llama.cpp, and what it costs in quality.
+
+    python -m bench.quant                              # speed (widened pair) and quality (demo)
+    python -m bench.quant --skip-quality --prompts 4 --rounds 2
+    python -m bench.quant --skip-speed
+
+Speed, batch 1, greedy, on the widened pair (bench/RESULTS.md: the demo target grown to a
+0.5B-like shape, bandwidth-bound): specserve with the target (and draft) in bf16, int8 and int4,
+each with speculation off and in the default mode, and llama.cpp's `llama-completion` on GGUFs of
+the same target: q8_0 from llama.cpp's converter, and q4_0 made from it here (the peer build has
+no llama-quantize): every Q8_0 projection (attn_*, ffn_*) re-quantized to Q4_0 by the gguf
+package, the token embedding (tied LM head) left Q8_0.
+Decode tok/s leaves the prompt out: specserve's rows time tokens after the first, llama.cpp's
+come from its own printed eval timings. Rows run interleaved, each prompt at its best round.
+Within each quantization, the default mode's tokens must equal speculation off's (checked
+before timing); across quantizations they differ, which the quality section measures.
+
+Kernel scaling (`--skip-kernels` to leave out): one decoder layer's projections of the widened
+shape (qkv 1536x1024, o 1024x1024, gate/up 8192x1024, down 1024x4096), 24 copies so the weights
+come from memory, timed for M = 1..16 activation rows: Q8_0 and Q4_0 on the C kernel of the
+selected ISA, bf16 on `kernels.linear`; ms per pass over all 24 layers, and the cost of M rows
+relative to one row.
+
+Quality, on the demo target (the widened one computes the same function): mean next-token NLL
+(nats) over the model card's held-out windows (32 chat + 32 code windows of 256 tokens from the
+stdlib corpus's validation modules, never trained on),
+and greedy agreement with bf16 over 32 tokens on 16 held-out chat prompts: the share of
+identical tokens, position by position, and how many prompts match in full.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from bench.compare import (
+    Row,
+    Sample,
+    add_common_args,
+    chat_prompts,
+    check_outputs,
+    environment,
+    held_out_questions,
+    load_pair,
+    log,
+    setup,
+    specserve_runner,
+)
+from specserve import LLM, SamplingParams
+from specserve.llm import demo_pair
+from specserve.model.loader import load_model, load_tokenizer
+from specserve.model.runner import ModelRunner, Segment
+
+QUANTIZATIONS = ("bf16", "int8", "int4")
+PEER = Path("/work/shared/tools/llamacpp-peer")
+EVAL_TIME = re.compile(r"(?<!prompt )\beval time =\s*([\d.]+) ms /\s*(\d+) runs")
+
+
+def _quantization(name: str) -> str | None:
+    return None if name == "bf16" else name
+
+
+# ---- speed ----------------------------------------------------------------------------------
+def llamacpp_runner(binary: Path, gguf: Path, tokenizer, max_tokens: int, threads: int):
+    """Runs one prompt through llama-completion; a Sample with decode-only timing."""
+
+    def run(prompt: list[int]) -> Sample:
+        with tempfile.NamedTemporaryFile("w", suffix=".txt") as f:
+            f.write(tokenizer.decode(prompt) + "\n")  # -f strips one trailing newline
+            f.flush()
+            done = subprocess.run(
+                [str(binary), "-m", str(gguf), "-f", f.name, "-n", str(max_tokens),
+                 "-t", str(threads), "-tb", str(threads), "--temp", "0", "--top-k", "1",
+                 "-no-cnv", "--no-warmup", "-c", "1024"],
+                capture_output=True, text=True, check=True, stdin=subprocess.DEVNULL)
+        found = EVAL_TIME.search(done.stderr)
+        if found is None:
+            raise RuntimeError(f"no eval timing in llama-completion's output:\n"
+                               f"{done.stderr[-2000:]}")
+        ms, runs = float(found[1]), int(found[2])
+        # Sample's decode time is e2e - ttft over len(token_ids) - 1 tokens: runs + 1 ids.
+        return Sample(list(range(runs + 1)), ms / 1e3, 0.0, runs + 1)
+
+    return run
+
+
+def measure_speed(args, prompts: list[list[int]], pair, ggufs: dict[str, Path]) -> list[Row]:
+    runners, groups = {}, {}
+    for q in QUANTIZATIONS:
+        llm = LLM(pair.target, pair.draft, quantization=_quantization(q))
+        for mode in ("off", None):
+            name = f"specserve {q} {mode or 'default'}"
+            runners[name] = specserve_runner(llm, mode, args.max_tokens, args.ignore_eos)
+            groups.setdefault(q, []).append(name)
+    if ggufs:
+        binary = Path(subprocess.run([str(PEER), "bin"], capture_output=True, text=True,
+                                     check=True).stdout.strip()) / "llama-completion"
+        tokenizer = load_tokenizer(pair.target)
+        for label, path in ggufs.items():
+            runners[f"llama.cpp {label}"] = llamacpp_runner(binary, path, tokenizer,
+                                                            args.max_tokens, args.threads)
+    log(f"  warm-up and equality check: {len(runners)} rows x {len(prompts)} prompts")
+    checked = {name: [run(list(p)).token_ids for p in prompts] for name, run in runners.items()}
+    for names in groups.values():  # speculation changes nothing within one quantization
+        check_outputs({n: checked[n] for n in names})
+    names = list(runners)
+    samples: dict[str, list[list[Sample]]] = {n: [] for n in names}
+    for r in range(args.rounds):
+        start = time.perf_counter()
+        for n in names:
+            samples[n].append([])
+        for i, prompt in enumerate(prompts):
+            shift = (r + i) % len(names)
+            for n in names[shift:] + names[:shift]:
+                samples[n][r].append(runners[n](list(prompt)))
+        log(f"  round {r + 1}/{args.rounds}: {time.perf_counter() - start:.1f} s")
+    return [Row(n, samples[n]) for n in names]
+
+
+def format_speed(rows: list[Row]) -> str:
+    by_name = {r.name: r for r in rows}
+    bases = [("specserve bf16 off", "vs bf16 off"), ("llama.cpp q8_0", "vs llama.cpp q8_0")]
+    bases = [(by_name[b], label) for b, label in bases if b in by_name]
+    lines = ["| row | decode tok/s | ms/token | accept | " + " | ".join(lb for _, lb in bases)
+             + " |", "|---" * (4 + len(bases)) + "|"]
+    for r in rows:
+        ratios = " | ".join(f"{b.ms_per_token / r.ms_per_token:.2f}x" for b, _ in bases)
+        accept = f"{r.acceptance_length:.2f}" if r.name.startswith("specserve") else "-"
+        lines.append(f"| {r.name} | {1e3 / r.ms_per_token:.1f} | {r.ms_per_token:.1f} | "
+                     f"{accept} | {ratios} |")
+    return "\n".join(lines)
+
+
+# ---- kernel scaling --------------------------------------------------------------------------
+LAYER_SHAPES = [(1536, 1024), (1024, 1024), (8192, 1024), (1024, 4096)]  # (N, K), widened
+
+
+def measure_kernels(rows: tuple[int, ...] = (1, 2, 4, 8, 16), layers: int = 24,
+                    repeats: int = 5) -> dict[str, dict[int, float]]:
+    """ms per pass over `layers` copies of LAYER_SHAPES, per weight kind and row count
+    (kinds interleaved, best of `repeats`)."""
+    from specserve.kernels import linear
+    from specserve.kernels.quant import quant_linear
+    from specserve.kernels.quant_reference import quantize
+
+    gen = torch.Generator().manual_seed(0)
+    dense = [torch.randn(n, k, generator=gen).to(torch.bfloat16)
+             for _ in range(layers) for n, k in LAYER_SHAPES]
+    weights = {"bf16": (linear, dense)}
+    for fmt in ("Q8_0", "Q4_0"):
+        weights[fmt] = (quant_linear, [quantize(w, fmt) for w in dense])
+    out: dict[str, dict[int, float]] = {kind: {} for kind in weights}
+    for m in rows:
+        xs = {k: torch.randn(m, k, generator=gen).to(torch.bfloat16) for _, k in LAYER_SHAPES}
+        for _ in range(repeats):
+            for kind, (fn, ws) in weights.items():
+                start = time.perf_counter()
+                for w, (_, k) in zip(ws, LAYER_SHAPES * layers):
+                    fn(xs[k], w)
+                ms = 1e3 * (time.perf_counter() - start)
+                out[kind][m] = min(out[kind].get(m, float("inf")), ms)
+    return out
+
+
+def format_kernels(result: dict[str, dict[int, float]]) -> str:
+    rows = list(next(iter(result.values())))
+    lines = ["| weights | " + " | ".join(f"M={m} ms" for m in rows) + " | "
+             + " | ".join(f"M={m} / M=1" for m in rows[1:]) + " |",
+             "|---" * (1 + 2 * len(rows) - 1) + "|"]
+    for kind, by_m in result.items():
+        lines.append(f"| {kind} | " + " | ".join(f"{by_m[m]:.1f}" for m in rows) + " | "
+                     + " | ".join(f"{by_m[m] / by_m[1]:.2f}" for m in rows[1:]) + " |")
+    return "\n".join(lines)
+
+
+# ---- quality --------------------------------------------------------------------------------
+def held_out_windows(tokenizer, num_windows: int, length: int) -> list[list[int]]:
+    """The model card's validation windows: `num_windows` of `length + 1` tokens from each of
+    the held-out chat and code streams (draft_models/recipe.py)."""
+    from specserve.draft_models.data import build_corpus, concat_stream, fixed_windows
+
+    corpus = build_corpus()
+    windows = []
+    for docs in (corpus.val_chat, corpus.val_code):
+        stream = concat_stream([tokenizer.encode(d, add_special_tokens=False) for d in docs])
+        windows += fixed_windows(stream, length, num_windows).tolist()
+    return windows
+
+
+def mean_nll(model, windows: list[list[int]], block_size: int = 16) -> float:
+    length = len(windows[0]) - 1
+    blocks = -(-length // block_size)
+    runner = ModelRunner(model, num_blocks=blocks, block_size=block_size)
+    total = 0.0
+    for w in windows:
+        seg = Segment(w[:-1], range(length), 0, list(range(blocks)), range(length))
+        logits = runner.forward([seg])[0].float()  # [length, vocab]
+        total += F.cross_entropy(logits, torch.tensor(w[1:]), reduction="sum").item()
+    return total / (len(windows) * length)
+
+
+def measure_quality(args) -> dict:
+    target, _ = demo_pair()
+    tokenizer = load_tokenizer(target)
+    windows = held_out_windows(tokenizer, args.nll_windows, args.nll_length)
+    nll = {}
+    for q in QUANTIZATIONS:
+        nll[q] = mean_nll(load_model(target, quantization=_quantization(q)), windows)
+        log(f"  NLL {q}: {nll[q]:.4f}")
+    prompts = chat_prompts(tokenizer, held_out_questions(args.agreement_prompts))
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    outs = {q: [o.token_ids for o in LLM(target, speculation="off",
+                                         quantization=_quantization(q)).generate(prompts, params)]
+            for q in QUANTIZATIONS}
+    agreement = {}
+    for q in QUANTIZATIONS[1:]:
+        same = [sum(a == b for a, b in zip(x, y)) / len(y) for x, y in zip(outs[q], outs["bf16"])]
+        full = sum(x == y for x, y in zip(outs[q], outs["bf16"]))
+        agreement[q] = {"token_agreement": statistics.mean(same), "prompts_identical": full}
+    return {"nll": nll, "windows": len(windows), "window_tokens": args.nll_length,
+            "agreement": agreement, "agreement_prompts": len(prompts)}
+
+
+def format_quality(quality: dict) -> str:
+    nll = quality["nll"]
+    lines = [f"Mean NLL over {quality['windows']} held-out windows of {quality['window_tokens']} "
+             f"tokens; greedy agreement with bf16 over 32 tokens on "
+             f"{quality['agreement_prompts']} prompts:", "",
+             "| weights | mean NLL | vs bf16 | tokens as bf16 | prompts identical |",
+             "|---|---|---|---|---|"]
+    for q in QUANTIZATIONS:
+        agree = quality["agreement"].get(q)
+        cells = (f"{agree['token_agreement']:.1%} | {agree['prompts_identical']}/"
+                 f"{quality['agreement_prompts']}" if agree else "- | -")
+        lines.append(f"| {q} | {nll[q]:.4f} | {nll[q] / nll['bf16'] - 1:+.2%} | {cells} |")
+    return "\n".join(lines)
+
+
+# ---- CLI ------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.quant", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(parser)
+    parser.add_argument("--skip-speed", action="store_true")
+    parser.add_argument("--skip-quality", action="store_true")
+    parser.add_argument("--skip-kernels", action="store_true")
+    parser.add_argument("--gguf-q8-0", type=Path, help="llama.cpp q8_0 GGUF of the widened "
+                        "target (default: converted with the peer tool when it is built)")
+    parser.add_argument("--gguf-q4-0", type=Path, help="llama.cpp q4_0 GGUF of the widened target")
+    parser.add_argument("--no-llamacpp", action="store_true")
+    parser.add_argument("--nll-windows", type=int, default=32, help="per stream (chat, code)")
+    parser.add_argument("--nll-length", type=int, default=256)
+    parser.add_argument("--agreement-prompts", type=int, default=16)
+    args = parser.parse_args(argv)
+    setup(args)
+    flags = sorted(set(re.findall(r"\b(avx\w*|fma|f16c)\b", Path("/proc/cpuinfo").read_text())))
+    report: dict = {"environment": environment(args.threads), "cpu_flags": flags}
+    print(f"torch {report['environment']['torch']}, {args.threads} threads, CPU flags "
+          f"{' '.join(flags)}, load average {report['environment']['load_average'][0]:.2f}")
+    if not args.skip_kernels:
+        from specserve.kernels import cpu_build
+
+        log("kernel scaling")
+        report["kernels"] = measure_kernels()
+        print(f"\nOne pass over 24 widened layers' projections, ISA path "
+              f"{cpu_build.selected_isa()}, best of 5:\n")
+        print(format_kernels(report["kernels"]))
+    if not args.skip_speed:
+        pair = load_pair("widened")
+        ggufs = {} if args.no_llamacpp else _ggufs(args, pair.target)
+        prompts = chat_prompts(load_tokenizer(pair.target), held_out_questions(args.prompts))
+        log("speed: widened pair")
+        rows = measure_speed(args, prompts, pair, ggufs)
+        report["speed"] = [r.summary() for r in rows]
+        print(f"\nDecode tok/s, batch 1, greedy, widened pair, {len(prompts)} prompts x "
+              f"{args.max_tokens} tokens, best of {args.rounds} rounds:\n")
+        print(format_speed(rows))
+    if not args.skip_quality:
+        log("quality: demo target")
+        report["quality"] = measure_quality(args)
+        print("\n" + format_quality(report["quality"]))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    return 0
+
+
+def _ggufs(args, target: Path) -> dict[str, Path]:
+    """The llama.cpp GGUFs to time: given ones, else made once (q8_0 by the peer tool)."""
+    ggufs = {"q8_0": args.gguf_q8_0, "q4_0": args.gguf_q4_0}
+    if ggufs["q8_0"] is None and PEER.is_file():
+        path = target.parent / f"{target.name}-q8_0.gguf"
+        if not path.is_file():
+            log(f"  converting {target} to {path}")
+            subprocess.run([str(PEER), "convert", str(target), str(path), "q8_0"], check=True,
+                           capture_output=True)
+        ggufs["q8_0"] = path
+    if ggufs["q4_0"] is None and ggufs["q8_0"] is not None:
+        path = target.parent / f"{target.name}-q4_0.gguf"
+        if not path.is_file():
+            log(f"  re-quantizing {ggufs['q8_0']} to {path}")
+            requantize_projections(ggufs["q8_0"], path)
+        ggufs["q4_0"] = path
+    return {k: v for k, v in ggufs.items() if v is not None}
+
+
+def requantize_projections(source: Path, dest: Path) -> None:
+    """Copy a Q8_0 GGUF with its Q8_0 attn_* / ffn_* weights re-quantized to Q4_0."""
+    import gguf
+    from gguf.quants import dequantize, quantize
+
+    reader = gguf.GGUFReader(source)
+    arch = reader.fields[gguf.Keys.General.ARCHITECTURE].contents()
+    writer = gguf.GGUFWriter(dest, arch, endianess=reader.endianess)
+    for field in reader.fields.values():
+        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+            continue  # written by GGUFWriter itself
+        value = field.contents()
+        if field.name == gguf.Keys.General.FILE_TYPE:
+            value = gguf.LlamaFileType.MOSTLY_Q4_0
+        sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, value, field.types[0], sub_type=sub_type)
+    q8, q4 = gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0
+    tensors = []
+    for t in reader.tensors:
+        data, qtype = t.data, t.tensor_type
+        if qtype == q8 and (".attn_" in t.name or ".ffn_" in t.name):
+            data, qtype = quantize(dequantize(t.data, q8), q4), q4
+        tensors.append((t.name, data, qtype))
+        writer.add_tensor_info(t.name, data.shape, data.dtype, data.nbytes, qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for _, data, _ in tensors:
+        writer.write_tensor_data(data)
+    writer.close()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

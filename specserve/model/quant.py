@@ -1,0 +1,125 @@
+"""Weight-only quantization of a loaded decoder: `quantize_model(model, "int8" | "int4")`.
+
+Every projection (q/k/v, o, gate/up, down) becomes a `QuantizedLinear` whose weight is stored in
+GGUF blocks of 32 (int8 = Q8_0: an fp16 scale per block; int4 = Q4_1: an fp16 scale and min per
+block), quantized by the gguf package's own quantizer, and multiplied by the kernels of
+`specserve.kernels.quant` (activations stay in the model's dtype, sums in fp32). The embedding,
+the LM head (tied or not) and the norms stay in the checkpoint's dtype: the embedding is a row
+lookup, not a matmul, and the LM head's logits decide every greedy token.
+
+The GGUF names (`q8_0`, `q4_0`, `q4_1`) are accepted too, for one exact format.
+
+`use_file_blocks` does the same for a GGUF checkpoint's own Q8_0 / Q4_0 / Q4_1 tensors: their
+blocks are the kernels' layout, so they run as stored, with no re-quantization.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..distributed import all_reduce_sum
+from ..kernels.quant import quant_linear
+from ..kernels.quant_reference import FORMATS, QuantizedWeight, quant_format, quantize
+
+# The quantization names of LLM(quantization=...) and --quantization -> GGUF block format.
+QUANTIZATIONS = {"int8": "Q8_0", "int4": "Q4_1", "q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1"}
+
+
+def resolve_quantization(name: str | None) -> str | None:
+    """A quantization name -> its GGUF block format ("Q8_0", ...), None for no quantization."""
+    if name is None or name == "none":
+        return None
+    fmt = QUANTIZATIONS.get(str(name).lower()) if isinstance(name, str) else None
+    if fmt is None:
+        raise ValueError(f"unknown quantization {name!r}; expected one of "
+                         f"{', '.join(['none', *QUANTIZATIONS])}")
+    return fmt
+
+
+class QuantizedLinear(nn.Module):
+    """y = x dequantize(W)^T + b with W in GGUF blocks; `reduce` sums a row-parallel layer's
+    partial products across tensor-parallel ranks."""
+
+    def __init__(self, qweight: QuantizedWeight, bias: torch.Tensor | None,
+                 reduce: bool = False) -> None:
+        super().__init__()
+        self.register_buffer("blocks", qweight.blocks)  # [N, row_bytes] uint8
+        self.register_buffer("bias", bias)
+        self.qweight = qweight
+        self.reduce = reduce
+
+    def _apply(self, fn, recurse: bool = True):
+        super()._apply(fn, recurse)  # moves the blocks buffer: keep qweight pointing at it
+        self.qweight = QuantizedWeight(self.qweight.fmt, self.blocks, self.qweight.shape)
+        return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = quant_linear(x, self.qweight, self.bias)
+        return all_reduce_sum(out) if self.reduce else out
+
+    def extra_repr(self) -> str:
+        n, k = self.qweight.shape
+        return f"in_features={k}, out_features={n}, format={self.qweight.fmt.name}"
+
+
+def quantize_model(model: nn.Module, quantization: str | None) -> nn.Module:
+    """Replace every tensor-parallel linear of model by its quantized form (in place)."""
+    from .layers import ColumnParallelLinear, RowParallelLinear
+
+    fmt = resolve_quantization(quantization)
+    if fmt is None:
+        return model
+    targets = [(name, module) for name, module in model.named_modules()
+               if isinstance(module, (ColumnParallelLinear, RowParallelLinear))]
+    for name, module in targets:
+        qweight = quantize(module.weight.data, quant_format(fmt))
+        bias = getattr(module, "bias", None)
+        quantized = QuantizedLinear(qweight, None if bias is None else bias.data,
+                                    reduce=isinstance(module, RowParallelLinear))
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, quantized)
+    return model
+
+
+# Our fused linear -> the checkpoint weights stacked in it, in order (see loader._FUSED).
+_FUSED_PARTS = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "self_attn.o_proj": ("self_attn.o_proj",),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp.down_proj": ("mlp.down_proj",),
+}
+
+
+def use_file_blocks(model: nn.Module, tensors: Mapping) -> list[str]:
+    """Run every linear whose checkpoint weights all have one of `FORMATS` on the file's blocks.
+
+    tensors: Hugging Face name -> a GGUF tensor with `ggml_type`, `shape` (out, in) and `raw`
+    (uint8 [out, bytes per row], the file's blocks). A linear whose parts differ in type, or
+    have another type, keeps the dequantized weight it was loaded with. Returns the names of
+    the linears replaced.
+    """
+    from .layers import RowParallelLinear
+
+    replaced = []
+    for layer in range(len(model.layers)):
+        for ours, parts in _FUSED_PARTS.items():
+            found = [tensors.get(f"model.layers.{layer}.{part}.weight") for part in parts]
+            types = {t.ggml_type.name for t in found if t is not None}
+            if None in found or len(types) != 1 or next(iter(types)) not in FORMATS:
+                continue
+            name = f"layers.{layer}.{ours}"
+            module = model.get_submodule(name)
+            blocks = torch.from_numpy(np.ascontiguousarray(np.concatenate([t.raw for t in found])))
+            shape = (sum(t.shape[0] for t in found), found[0].shape[1])
+            qweight = QuantizedWeight(FORMATS[next(iter(types))], blocks, shape)
+            bias = getattr(module, "bias", None)
+            quantized = QuantizedLinear(qweight, None if bias is None else bias.data,
+                                        reduce=isinstance(module, RowParallelLinear))
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, quantized)
+            replaced.append(name)
+    return replaced
