@@ -49,6 +49,9 @@ def main(argv: list[str] | None = None) -> None:
 
     llm = LLM(args.target, args.draft, speculation=args.speculation,
               enable_prefix_caching=False)
+    if not args.json:
+        print(f"speculation {llm.engine.default_mode}, {args.max_tokens} output tokens per "
+              f"request, median of {args.repeats}", flush=True)
     tok = llm.tokenizer
     variants = [None, *args.top]
     rows, scoring = [], []
@@ -71,6 +74,8 @@ def main(argv: list[str] | None = None) -> None:
             tps = tokens / statistics.median(times[v])
             rows.append({"batch": n, "logprobs": v, "tok_s": round(tps, 1),
                          "ratio": round(tps / base, 3), "same_ids": ids[v] == ids[None]})
+            if not args.json:
+                print(_decode_row(rows[-1]), flush=True)
         # Prompt scoring: one output token each, with and without prompt logprobs.
         prompt_tokens = sum(len(p) for p in prompts)
         score = {False: [], True: []}
@@ -85,23 +90,30 @@ def main(argv: list[str] | None = None) -> None:
                         "prompt_tok_s": round(plain, 1),
                         "prompt_tok_s_with_prompt_logprobs": round(with_lp, 1),
                         "ratio": round(with_lp / plain, 3)})
+        if not args.json:
+            print(_scoring_row(scoring[-1]), flush=True)
 
     if args.json:
         print(json.dumps({"decode": rows, "scoring": scoring}, indent=1))
         return
-    mode = llm.engine.default_mode
-    print(f"speculation {mode}, {args.max_tokens} output tokens per request, "
-          f"median of {args.repeats}")
-    print(f"{'batch':>5} {'logprobs':>8} {'tok/s':>9} {'ratio':>6} {'same ids':>8}")
+    print(f"\n{'batch':>5} {'logprobs':>8} {'tok/s':>9} {'ratio':>6} {'same ids':>8}")
     for r in rows:
-        v = "none" if r["logprobs"] is None else r["logprobs"]
-        print(f"{r['batch']:>5} {v:>8} {r['tok_s']:>9.1f} {r['ratio']:>6.3f} "
-              f"{'yes' if r['same_ids'] else 'NO':>8}")
+        print(_decode_row(r))
     print("\nprompt scoring (max_tokens=1), prompt tokens/s")
     print(f"{'batch':>5} {'tokens':>6} {'plain':>9} {'+prompt lp':>10} {'ratio':>6}")
     for r in scoring:
-        print(f"{r['batch']:>5} {r['prompt_tokens']:>6} {r['prompt_tok_s']:>9.1f} "
-              f"{r['prompt_tok_s_with_prompt_logprobs']:>10.1f} {r['ratio']:>6.3f}")
+        print(_scoring_row(r))
+
+
+def _decode_row(r: dict) -> str:
+    v = "none" if r["logprobs"] is None else r["logprobs"]
+    return (f"{r['batch']:>5} {v:>8} {r['tok_s']:>9.1f} {r['ratio']:>6.3f} "
+            f"{'yes' if r['same_ids'] else 'NO':>8}")
+
+
+def _scoring_row(r: dict) -> str:
+    return (f"{r['batch']:>5} {r['prompt_tokens']:>6} {r['prompt_tok_s']:>9.1f} "
+            f"{r['prompt_tok_s_with_prompt_logprobs']:>10.1f} {r['ratio']:>6.3f}")
 
 
 if __name__ == "__main__":
