@@ -21,10 +21,8 @@ import asyncio
 import collections
 import os
 import random
-import socket
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -55,27 +53,17 @@ def rss_mb() -> float:
 
 class SoakServer:
     def __init__(self, target, draft, speculation, max_queued: int) -> None:
-        import uvicorn
-
+        from bench.inprocess import serve_in_thread
         from specserve.engine.async_engine import AsyncEngine
         from specserve.engine.core import EngineCore
         from specserve.llm import build_engine_config
-        from specserve.server import ServerLimits, create_app, uvicorn_config
+        from specserve.server import ServerLimits, create_app
 
         self.core = EngineCore(build_engine_config(target, draft, speculation))
         self.engine = AsyncEngine(self.core)
         limits = ServerLimits.for_engine(self.engine, max_queued_requests=max_queued)
         self.app = create_app(self.engine, model_name="soak", limits=limits)
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.port = sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn_config(self.app, "127.0.0.1", self.port,
-                                                    "warning"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]},
-                                       daemon=True)
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.01)
+        self.server, self.thread, self.port = serve_in_thread(self.app)
 
     def snapshot(self) -> dict:
         async def tasks() -> int:

@@ -110,28 +110,15 @@ class _ServerThread:
     """`specserve serve`'s app and uvicorn settings, on a thread of this process."""
 
     def __init__(self, target, draft, speculation) -> None:
-        import socket
-        import threading
-
-        import uvicorn
-
+        from bench.inprocess import serve_in_thread
         from specserve.engine.async_engine import AsyncEngine
         from specserve.engine.core import EngineCore
         from specserve.llm import build_engine_config
-        from specserve.server import create_app, uvicorn_config
+        from specserve.server import create_app
 
         self.engine = AsyncEngine(EngineCore(build_engine_config(target, draft, speculation)))
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+        self.server, self.thread, port = serve_in_thread(create_app(self.engine))
         self.ws = f"ws://127.0.0.1:{port}/v1/ws"
-        self.server = uvicorn.Server(uvicorn_config(create_app(self.engine), "127.0.0.1", port,
-                                                    "warning"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]},
-                                       daemon=True)
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.01)
 
     def trace_server_ttft(self) -> list[float]:
         """Record, inside the server, frame received -> first delta handed to the socket (ms).
