@@ -10,24 +10,46 @@
  *   Q4_0: fp16 d, uint8 q[16] (byte j: weight j in the low nibble, weight j + 16 in the high)
  *                                                         w = (q - 8) * d
  *   Q4_1: fp16 d, fp16 m, uint8 q[16] (as Q4_0)           w = q * d + m
- * Every dequantized weight is exact in fp32 (q * d needs at most 18 significant bits; Q4_1 rounds
- * once, in the + m, as the reference does), so the only difference from the reference
- * (dequantize, then an fp32 matmul: kernels/quant_reference.py) is the order of the fp32 sums.
+ *
+ * Two ways to take the activations, one entry point each (kernels/quant_cpu.py picks one):
+ *
+ * quant_matmul: activations in fp32. Every dequantized weight is exact in fp32 (q * d needs at
+ * most 18 significant bits; Q4_1 rounds once, in the + m, as the reference does), so the only
+ * difference from the reference (dequantize, then an fp32 matmul: kernels/quant_reference.py)
+ * is the order of the fp32 sums. One fp32 FMA per weight and row.
+ *
+ * quant_matmul_q8: activations quantized once per call to Q8 blocks (as llama.cpp's q8_0 /
+ * q8_1 products do), then an integer dot product per pair of blocks and a few fp32 operations
+ * per block. Per activation row and block b of 32 values x (zero-padded past K):
+ *   dx = amax|x| / 127, xq = round_half_even(x * (1 / dx)) (0 when dx is 0), sx = sum xq
+ * and per output, over the blocks in k order, each operation rounded to fp32:
+ *   isum = sum xq * q   (Q4_0: sum xq * (q - 8))      exact in int32 (|isum| < 2^20)
+ *   v    = (dw * dx) * isum  (Q4_1: v + m * (dx * sx))
+ *   acc  = acc + v
+ * The integers are exact and the fp32 operations are the same, in the same order, on every
+ * path, so every path computes the same bits, and so does the PyTorch model of these numerics
+ * (quant_reference.quant_linear_q8_reference); only the quantized activations differ from the
+ * dequantize-then-matmul reference. On AVX2, 32 products cost one maddubs (unsigned x signed
+ * bytes to int16 pairs; Q8_0 moves the weight's sign onto the activation first) and one madd
+ * (int16 pairs to int32); a horizontal add tree turns four weight rows' partial sums into one
+ * vector of four isums, scaled and accumulated in four fp32 lanes.
  *
  * Decode steps have a few activation rows (a token, a chain, a small draft tree), so the product
- * is bound by reading w. Each weight block is read from memory once per call and dequantized
- * once per chunk of up to MR_MAX activation rows, in registers, then multiplied into every row
- * of the chunk: M rows cost about what one row costs until the FMAs catch up with the memory.
+ * is bound by reading w. Each weight block is read from memory once per call and unpacked once
+ * per chunk of up to MR_MAX activation rows, in registers, then multiplied into every row of
+ * the chunk: M rows cost about what one row costs until the arithmetic catches up with memory.
  *
- * Row-count invariance: each output is one vector accumulator summing the dequantized weights
- * times x in k order, reduced across lanes in a fixed order. Neither the number of rows M nor
- * the chunking changes that order, so a row's output is bit-identical alone or among k rows
+ * Row-count invariance: each output is summed in an order fixed by K alone (one vector
+ * accumulator in k order reduced in a fixed lane order; or one fp32 lane per output in block
+ * order), and activation rows are quantized one by one. Neither the number of rows M nor the
+ * chunking changes that order, so a row's output is bit-identical alone or among k rows
  * (greedy speculation then equals plain decoding exactly).
  *
- * Written once over cpu_simd.h's fp32 vectors; only the unpacking of a block into vectors differs
- * per ISA (16 lanes on AVX-512, 8 on AVX2 and in portable C). Built by cpu_build.py; called
- * through kernels/quant_cpu.py.
+ * Written once over cpu_simd.h's fp32 vectors; only the unpacking of a block into vectors and
+ * the integer dot products differ per ISA (the AVX-512 build runs the 256-bit AVX2 integer code,
+ * which its -m flags include). Built by cpu_build.py; called through kernels/quant_cpu.py.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -157,28 +179,18 @@ static void chunk(const float *xs, int mr, const uint8_t *ws, int nr, int fmt, i
     }
 }
 
-/* x [M, K] (bf16 if x_bf16, else fp32); w [N, row_bytes] GGUF blocks of format fmt;
- * bias [N] or NULL and y [M, N] in bf16 if y_bf16, else fp32. Returns 0, or -1 when the
- * activation buffer cannot be allocated (nothing written). */
-int quant_matmul(const void *x, int x_bf16, const uint8_t *w, int fmt, const void *bias,
-                 void *y, int y_bf16, int64_t M, int64_t N, int64_t K, int num_threads) {
-    const int64_t nb = (K + QK - 1) / QK, kp = nb * QK, row_bytes = nb * block_bytes(fmt);
-    /* The activations in fp32, zero-padded to whole blocks: read once per weight block. */
-    float *xf = aligned_alloc(64, (size_t)((M * kp * sizeof(float) + 63) / 64 * 64));
-    if (!xf) return -1;
-    for (int64_t i = 0; i < M; i++) {
-        float *dst = xf + i * kp;
-        if (x_bf16) {
-            const uint16_t *src = (const uint16_t *)x + i * K;
-            for (int64_t k = 0; k < K; k++) dst[k] = bf16_to_f32(src[k]);
-        } else {
-            memcpy(dst, (const float *)x + i * K, (size_t)K * sizeof(float));
-        }
-        memset(dst + K, 0, (size_t)(kp - K) * sizeof(float));
-    }
-    /* Two rows or fewer: 4 weight rows per tile give the FMAs enough independent sums;
-     * more rows: 2 weight rows per tile leave registers for up to MR_MAX rows. */
-    const int tile = M <= 2 ? 4 : 2;
+/* ---- the shared driver -------------------------------------------------------------------- */
+
+/* Computes out[i][r] = the sums of activation rows m0 .. m0 + mr - 1 with weight rows
+ * n0 .. n0 + nr - 1 (mr <= MR_MAX, nr <= 4). */
+typedef void (*tile_fn)(const void *ctx, int64_t m0, int mr, int64_t n0, int nr,
+                        float out[MR_MAX][4]);
+
+/* Runs fn over tiles of `tile` weight rows (split across threads) and, inside each tile, over
+ * chunks of at most MR_MAX activation rows; adds bias [N] (or NULL) and stores y [M, N] in
+ * bf16 if y_bf16, else fp32. */
+static void run_tiles(tile_fn fn, const void *ctx, int tile, const void *bias, void *y,
+                      int y_bf16, int64_t M, int64_t N, int num_threads) {
     const int64_t tiles = (N + tile - 1) / tile, chunks = (M + MR_MAX - 1) / MR_MAX;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t t = 0; t < tiles; t++) {
@@ -189,7 +201,7 @@ int quant_matmul(const void *x, int x_bf16, const uint8_t *w, int fmt, const voi
             const int64_t left = M - m0, parts = chunks - c;
             const int mr = (int)((left + parts - 1) / parts);
             float out[MR_MAX][4];
-            chunk(xf + m0 * kp, mr, w + n0 * row_bytes, nr, fmt, kp, row_bytes, nb, out);
+            fn(ctx, m0, mr, n0, nr, out);
             for (int i = 0; i < mr; i++)
                 for (int r = 0; r < nr; r++) {
                     const int64_t n = n0 + r, at = (m0 + i) * N + n;
@@ -205,6 +217,259 @@ int quant_matmul(const void *x, int x_bf16, const uint8_t *w, int fmt, const voi
             m0 += mr;
         }
     }
+}
+
+/* Row i of x [M, K] (bf16 if x_bf16, else fp32) as fp32, zero-padded to kp values. */
+static void row_to_f32(const void *x, int x_bf16, int64_t i, int64_t K, int64_t kp, float *dst) {
+    if (x_bf16) {
+        const uint16_t *src = (const uint16_t *)x + i * K;
+        for (int64_t k = 0; k < K; k++) dst[k] = bf16_to_f32(src[k]);
+    } else {
+        memcpy(dst, (const float *)x + i * K, (size_t)K * sizeof(float));
+    }
+    memset(dst + K, 0, (size_t)(kp - K) * sizeof(float));
+}
+
+/* ---- fp32 activations ----------------------------------------------------------------------- */
+
+typedef struct {
+    const float *x; /* [M, kp] */
+    const uint8_t *w;
+    int fmt;
+    int64_t kp, row_bytes, nb;
+} f32_ctx;
+
+static void f32_tile(const void *ctx, int64_t m0, int mr, int64_t n0, int nr,
+                     float out[MR_MAX][4]) {
+    const f32_ctx *c = ctx;
+    chunk(c->x + m0 * c->kp, mr, c->w + n0 * c->row_bytes, nr, c->fmt, c->kp, c->row_bytes,
+          c->nb, out);
+}
+
+/* x [M, K] (bf16 if x_bf16, else fp32); w [N, row_bytes] GGUF blocks of format fmt;
+ * bias [N] or NULL and y [M, N] in bf16 if y_bf16, else fp32. Returns 0, or -1 when the
+ * activation buffer cannot be allocated (nothing written). */
+int quant_matmul(const void *x, int x_bf16, const uint8_t *w, int fmt, const void *bias,
+                 void *y, int y_bf16, int64_t M, int64_t N, int64_t K, int num_threads) {
+    const int64_t nb = (K + QK - 1) / QK, kp = nb * QK, row_bytes = nb * block_bytes(fmt);
+    /* The activations in fp32, zero-padded to whole blocks: read once per weight block. */
+    float *xf = aligned_alloc(64, (size_t)((M * kp * sizeof(float) + 63) / 64 * 64));
+    if (!xf) return -1;
+    for (int64_t i = 0; i < M; i++) row_to_f32(x, x_bf16, i, K, kp, xf + i * kp);
+    const f32_ctx ctx = {xf, w, fmt, kp, row_bytes, nb};
+    /* Two rows or fewer: 4 weight rows per tile give the FMAs enough independent sums;
+     * more rows: 2 weight rows per tile leave registers for up to MR_MAX rows. */
+    run_tiles(f32_tile, &ctx, M <= 2 ? 4 : 2, bias, y, y_bf16, M, N, num_threads);
     free(xf);
+    return 0;
+}
+
+/* ---- Q8 activations, integer dot products --------------------------------------------------- */
+
+typedef struct {
+    const int8_t *q;    /* [M, kp] quantized activations */
+    const float *d;     /* [M, nb] block scales dx */
+    const float *s;     /* [M, nb] dx * sx (Q4_1's min term) */
+    const int32_t *sum; /* [M, nb] sx = sum of the block's q */
+    const uint8_t *w;
+    int fmt;
+    int64_t kp, row_bytes, nb;
+} q8_ctx;
+
+/* One activation row (kp fp32 values, whole blocks) to Q8 blocks, as the header defines. */
+static void quantize_row_q8(const float *x, int64_t nb, int8_t *q, float *d, float *s,
+                            int32_t *sum) {
+    for (int64_t b = 0; b < nb; b++) {
+        const float *xb = x + b * QK;
+        float amax = 0.0f;
+        for (int j = 0; j < QK; j++) {
+            const float a = xb[j] < 0.0f ? -xb[j] : xb[j];
+            amax = a > amax ? a : amax;
+        }
+        const float db = amax / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
+        int32_t total = 0;
+        for (int j = 0; j < QK; j++) { /* |x * id| <= 127 (1 + 2^-23)^2: rounds to <= 127 */
+            const int8_t v = (int8_t)lrintf(xb[j] * id); /* the default mode: half to even */
+            q[b * QK + j] = v;
+            total += v;
+        }
+        d[b] = db;
+        sum[b] = total;
+        s[b] = db * (float)total;
+    }
+}
+
+#if defined(SPECSERVE_ISA_AVX512) || defined(SPECSERVE_ISA_AVX2)
+/* The 32 values of block b as bytes: Q8_0 signed, Q4_0 / Q4_1 the unsigned nibbles. */
+SIMD_INLINE __m256i block_bytes_vec(const uint8_t *b, const int fmt) {
+    if (fmt == FMT_Q8_0) return _mm256_loadu_si256((const __m256i *)(b + 2));
+    const __m128i packed = _mm_loadu_si128((const __m128i *)(b + (fmt == FMT_Q4_0 ? 2 : 4)));
+    const __m128i low = _mm_set1_epi8(0x0f);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(packed, 4), low),
+                            _mm_and_si128(packed, low));
+}
+
+/* Eight int32 partial sums of xq * w over one block. Q8_0: maddubs wants one unsigned operand,
+ * so the weight's magnitude (aw, 0..128) meets the activation with the weight's sign (|xq| <=
+ * 127, so no pair of int16 products saturates: 2 * 128 * 127 < 2^15); nibbles are unsigned
+ * already (2 * 15 * 127). */
+SIMD_INLINE __m256i block_dot(const int fmt, __m256i wv, __m256i aw, __m256i xv) {
+    const __m256i pairs = fmt == FMT_Q8_0 ? _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wv))
+                                          : _mm256_maddubs_epi16(wv, xv);
+    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+}
+
+/* The four totals of four vectors of eight int32 each. */
+SIMD_INLINE __m128i sum4(__m256i a, __m256i b, __m256i c, __m256i d) {
+    const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(a, b), _mm256_hadd_epi32(c, d));
+    return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+}
+
+/* fp16 bits in the low half of each int32 lane -> fp32, exact: f16_to_f32 on four lanes. */
+SIMD_INLINE __m128 f16x4_to_f32(__m128i h) {
+    const __m128i magnitude = _mm_slli_epi32(_mm_and_si128(h, _mm_set1_epi32(0x7fff)), 13);
+    const __m128 f = _mm_mul_ps(_mm_castsi128_ps(magnitude), _mm_set1_ps(0x1p112f));
+    const __m128i sign = _mm_slli_epi32(_mm_and_si128(h, _mm_set1_epi32(0x8000)), 16);
+    return _mm_or_ps(f, _mm_castsi128_ps(sign));
+}
+
+/* The first four header bytes of a block as one int32 (d's bits low, Q4_1's m's bits high). */
+SIMD_INLINE int32_t header_bits(const uint8_t *b) {
+    int32_t v;
+    memcpy(&v, b, sizeof v);
+    return v;
+}
+
+/* MR activation rows x NR weight rows over all blocks: one fp32 lane per output. */
+SIMD_INLINE void q8_micro_kernel(const int MR, const int NR, const int fmt, const q8_ctx *c,
+                                 int64_t m0, const uint8_t *w, float out[MR_MAX][4]) {
+    const int bb = block_bytes(fmt);
+    __m128 acc[MR_MAX];
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; i++) acc[i] = _mm_setzero_ps();
+    for (int64_t blk = 0; blk < c->nb; blk++) {
+        __m256i wv[4], aw[4];
+        int32_t header[4] = {0};
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; r++) {
+            if (r < NR) {
+                const uint8_t *b = w + r * c->row_bytes + blk * bb;
+                /* The tiles' rows are consecutive in memory, each only a few blocks long: too
+                 * short a stream for the hardware prefetchers, so fetch the next tile's block. */
+                __builtin_prefetch(b + 4 * c->row_bytes);
+                wv[r] = block_bytes_vec(b, fmt);
+                aw[r] = fmt == FMT_Q8_0 ? _mm256_sign_epi8(wv[r], wv[r]) : wv[r];
+                header[r] = header_bits(b);
+            } else {
+                wv[r] = aw[r] = _mm256_setzero_si256();
+            }
+        }
+        const __m128i headers = _mm_loadu_si128((const __m128i *)header);
+        const __m128 dwv = f16x4_to_f32(headers);
+        const __m128 mwv = fmt == FMT_Q4_1 ? f16x4_to_f32(_mm_srli_epi32(headers, 16))
+                                           : _mm_setzero_ps();
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; i++) {
+            const int64_t row = m0 + i, at = row * c->nb + blk;
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(c->q + row * c->kp + blk * QK));
+            __m256i p[4];
+#pragma GCC unroll 4
+            for (int r = 0; r < 4; r++)
+                p[r] = r < NR ? block_dot(fmt, wv[r], aw[r], xv) : _mm256_setzero_si256();
+            __m128i isum = sum4(p[0], p[1], p[2], p[3]);
+            if (fmt == FMT_Q4_0) isum = _mm_sub_epi32(isum, _mm_set1_epi32(8 * c->sum[at]));
+            __m128 v = _mm_mul_ps(_mm_mul_ps(dwv, _mm_set1_ps(c->d[at])), _mm_cvtepi32_ps(isum));
+            if (fmt == FMT_Q4_1) v = _mm_add_ps(v, _mm_mul_ps(mwv, _mm_set1_ps(c->s[at])));
+            acc[i] = _mm_add_ps(acc[i], v);
+        }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; i++) _mm_storeu_ps(out[i], acc[i]);
+}
+#else
+/* Portable C: the same integers, one output at a time, and the same fp32 operations. */
+SIMD_INLINE void q8_micro_kernel(const int MR, const int NR, const int fmt, const q8_ctx *c,
+                                 int64_t m0, const uint8_t *w, float out[MR_MAX][4]) {
+    const int bb = block_bytes(fmt);
+    float acc[MR_MAX][4] = {{0}};
+    for (int64_t blk = 0; blk < c->nb; blk++) {
+        for (int r = 0; r < NR; r++) {
+            const uint8_t *b = w + r * c->row_bytes + blk * bb;
+            int8_t q[QK]; /* Q8_0 signed; 4-bit formats q - 8 (Q4_0) or q (Q4_1) */
+            for (int j = 0; j < QK; j++) {
+                const int nibble = j < 16 ? b[(fmt == FMT_Q4_1 ? 4 : 2) + j] & 0x0f
+                                          : b[(fmt == FMT_Q4_1 ? 4 : 2) + j - 16] >> 4;
+                q[j] = fmt == FMT_Q8_0 ? (int8_t)b[2 + j]
+                                       : (int8_t)(fmt == FMT_Q4_0 ? nibble - 8 : nibble);
+            }
+            const float dw = f16_to_f32((uint16_t)(b[0] | (b[1] << 8)));
+            const float mw = fmt == FMT_Q4_1 ? f16_to_f32((uint16_t)(b[2] | (b[3] << 8))) : 0.0f;
+            for (int i = 0; i < MR; i++) {
+                const int64_t row = m0 + i, at = row * c->nb + blk;
+                const int8_t *xq = c->q + row * c->kp + blk * QK;
+                int32_t isum = 0;
+                for (int j = 0; j < QK; j++) isum += (int32_t)xq[j] * q[j];
+                float v = (dw * c->d[at]) * (float)isum;
+                if (fmt == FMT_Q4_1) v = v + mw * c->s[at];
+                acc[i][r] = acc[i][r] + v;
+            }
+        }
+    }
+    for (int i = 0; i < MR; i++)
+        for (int r = 0; r < NR; r++) out[i][r] = acc[i][r];
+}
+#endif
+
+#define Q8_DISPATCH_MR(NR, FMT)                                                 \
+    switch (mr) {                                                               \
+        case 1: q8_micro_kernel(1, NR, FMT, c, m0, ws, out); break;             \
+        case 2: q8_micro_kernel(2, NR, FMT, c, m0, ws, out); break;             \
+        case 3: q8_micro_kernel(3, NR, FMT, c, m0, ws, out); break;             \
+        case 4: q8_micro_kernel(4, NR, FMT, c, m0, ws, out); break;             \
+        case 5: q8_micro_kernel(5, NR, FMT, c, m0, ws, out); break;             \
+        default: q8_micro_kernel(6, NR, FMT, c, m0, ws, out); break;            \
+    }
+#define Q8_DISPATCH(NR)                                       \
+    switch (c->fmt) {                                         \
+        case FMT_Q8_0: Q8_DISPATCH_MR(NR, FMT_Q8_0) break;    \
+        case FMT_Q4_0: Q8_DISPATCH_MR(NR, FMT_Q4_0) break;    \
+        default: Q8_DISPATCH_MR(NR, FMT_Q4_1) break;          \
+    }
+
+static void q8_tile(const void *ctx, int64_t m0, int mr, int64_t n0, int nr,
+                    float out[MR_MAX][4]) {
+    const q8_ctx *c = ctx;
+    const uint8_t *ws = c->w + n0 * c->row_bytes;
+    switch (nr) {
+        case 4: Q8_DISPATCH(4) break;
+        case 3: Q8_DISPATCH(3) break;
+        case 2: Q8_DISPATCH(2) break;
+        default: Q8_DISPATCH(1) break;
+    }
+}
+
+/* As quant_matmul, with the activations quantized to Q8 blocks (see the header). Returns 0, or
+ * -1 when the activation buffers cannot be allocated (nothing written). */
+int quant_matmul_q8(const void *x, int x_bf16, const uint8_t *w, int fmt, const void *bias,
+                    void *y, int y_bf16, int64_t M, int64_t N, int64_t K, int num_threads) {
+    const int64_t nb = (K + QK - 1) / QK, kp = nb * QK, row_bytes = nb * block_bytes(fmt);
+    /* One allocation: q [M, kp] int8, then d, s [M, nb] fp32 and sum [M, nb] int32, then one
+     * fp32 row of scratch; every part starts 64-byte aligned. */
+    const size_t q_bytes = (size_t)((M * kp + 63) / 64 * 64);
+    const size_t part = (size_t)((M * nb * 4 + 63) / 64 * 64);
+    const size_t row = (size_t)((kp * 4 + 63) / 64 * 64);
+    uint8_t *buf = aligned_alloc(64, q_bytes + 3 * part + row);
+    if (!buf) return -1;
+    int8_t *q = (int8_t *)buf;
+    float *d = (float *)(buf + q_bytes), *s = (float *)(buf + q_bytes + part);
+    int32_t *sum = (int32_t *)(buf + q_bytes + 2 * part);
+    float *xf = (float *)(buf + q_bytes + 3 * part);
+    for (int64_t i = 0; i < M; i++) {
+        row_to_f32(x, x_bf16, i, K, kp, xf);
+        quantize_row_q8(xf, nb, q + i * kp, d + i * nb, s + i * nb, sum + i * nb);
+    }
+    const q8_ctx ctx = {q, d, s, sum, w, fmt, kp, row_bytes, nb};
+    run_tiles(q8_tile, &ctx, 4, bias, y, y_bf16, M, N, num_threads);
+    free(buf);
     return 0;
 }

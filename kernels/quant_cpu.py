@@ -1,15 +1,36 @@
-"""The quantized matmul C kernel (cpu_quant.c), on the ISA path cpu_build.py selects.
+"""The quantized matmul C kernels (cpu_quant.c), on the ISA path cpu_build.py selects.
 
 `SPECSERVE_CPU_ISA` (see cpu_build.py) picks avx512, avx2, portable C or torch (no C kernel: the
 PyTorch reference); tests pass `isa=` to run every path this CPU supports.
+
+`SPECSERVE_QUANT_ACT` picks how the kernel takes the activations (tests and benchmarks pass
+`act=`):
+  q8    (default) quantized once per call to Q8 blocks (int8 and an fp32 scale per 32 values),
+        integer dot products per block: the weights' bytes are the only wide stream, and 32
+        products cost two AVX2 instructions; model: quant_reference.quant_linear_q8_reference.
+  fp32  each weight converted to fp32 and multiplied by the fp32 activation: no activation
+        rounding (differs from the dequantize-then-matmul reference in summation order only),
+        at about twice the instructions per weight; kept for comparing the two numerics.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
 from . import cpu_build
 from .quant_reference import QuantizedWeight
+
+ACTIVATIONS = ("q8", "fp32")
+
+
+def activation_format() -> str:
+    """SPECSERVE_QUANT_ACT (checked), default q8."""
+    act = os.environ.get("SPECSERVE_QUANT_ACT", "").strip().lower() or "q8"
+    if act not in ACTIVATIONS:
+        raise ValueError(f"SPECSERVE_QUANT_ACT={act!r}: expected one of {', '.join(ACTIVATIONS)}")
+    return act
 
 
 def library(isa: str | None = None):
@@ -18,9 +39,14 @@ def library(isa: str | None = None):
 
 
 def quant_matmul(x: torch.Tensor, qweight: QuantizedWeight, bias: torch.Tensor | None = None,
-                 *, isa: str | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                 *, isa: str | None = None, out_dtype: torch.dtype | None = None,
+                 act: str | None = None) -> torch.Tensor:
     """x [M, K] bf16/fp32 on CPU -> x @ dequantize(qweight).T (+ bias) [M, N] in out_dtype
-    (x's dtype by default; bias in out_dtype) on the isa path (default: the selected one)."""
+    (x's dtype by default; bias in out_dtype) on the isa path (default: the selected one), the
+    activations taken as `act` (one of ACTIVATIONS; default: activation_format())."""
+    act = act or activation_format()
+    if act not in ACTIVATIONS:
+        raise ValueError(f"act={act!r}: expected one of {', '.join(ACTIVATIONS)}")
     lib = library(isa)
     if lib is None:
         raise RuntimeError(f"no quantized CPU kernel on the {isa or cpu_build.selected_isa()} "
@@ -37,10 +63,10 @@ def quant_matmul(x: torch.Tensor, qweight: QuantizedWeight, bias: torch.Tensor |
     out = torch.empty(x.shape[0], n, dtype=out_dtype)
     if x.shape[0] == 0:
         return out
-    status = lib.quant_matmul(x.data_ptr(), x.dtype == torch.bfloat16, blocks.data_ptr(),
-                              qweight.fmt.code, None if bias is None else bias.data_ptr(),
-                              out.data_ptr(), out_dtype == torch.bfloat16, x.shape[0], n, k,
-                              torch.get_num_threads())
+    kernel = lib.quant_matmul_q8 if act == "q8" else lib.quant_matmul
+    status = kernel(x.data_ptr(), x.dtype == torch.bfloat16, blocks.data_ptr(), qweight.fmt.code,
+                    None if bias is None else bias.data_ptr(), out.data_ptr(),
+                    out_dtype == torch.bfloat16, x.shape[0], n, k, torch.get_num_threads())
     if status:
         raise MemoryError("quant_matmul: cannot allocate the activation buffer")
     return out

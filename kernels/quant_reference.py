@@ -6,8 +6,12 @@ weights, each block a few bytes of fp16 scale (and min) followed by the quantize
 quantizer (bit-exact with llama.cpp's). K is padded with zeros to whole blocks.
 
 The reference product dequantizes to fp32 (exactly: see the block formats in cpu_quant.c) and
-runs an fp32 matmul; the C and Triton kernels differ from it only in the order of the fp32 sums.
-It is also the fallback wherever no kernel applies.
+runs an fp32 matmul; the Triton kernel and the C kernel with fp32 activations differ from it only
+in the order of the fp32 sums. It is also the fallback wherever no kernel applies.
+
+`quant_linear_q8_reference` models the C kernel with Q8 activations (cpu_quant.c's header
+defines the numerics: activations quantized to int8 blocks, integer dot products, then a fixed
+sequence of fp32 operations per block), operation for operation, so it gives the kernel's bits.
 """
 
 from __future__ import annotations
@@ -99,3 +103,53 @@ def quant_linear_reference(x: torch.Tensor, qweight: QuantizedWeight,
     w = dequantize(qweight.to(x.device))  # [N, K]
     out = F.linear(x.float(), w, None if bias is None else bias.float())
     return out.to(x.dtype)
+
+
+def block_integers(qweight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (q int32 [N, nb, 32], d fp32 [N, nb], m fp32 [N, nb]) with w = q * d + m exactly:
+    q signed for Q8_0, q - 8 for Q4_0 (m 0), the unsigned nibble for Q4_1."""
+    fmt, (n, _) = qweight.fmt, qweight.shape
+    blocks = qweight.blocks.view(n, -1, fmt.block_bytes)  # [N, nb, bytes]
+    d = blocks[..., 0:2].contiguous().view(torch.float16).float()[..., 0]  # [N, nb]
+    m = torch.zeros_like(d)
+    values = blocks[..., fmt.header_bytes:]
+    if fmt.name == "Q8_0":
+        q = values.contiguous().view(torch.int8).int()  # [N, nb, 32]
+    else:
+        q = torch.cat([values & 0x0F, values >> 4], dim=-1).int()  # [N, nb, 32]
+        if fmt.name == "Q4_0":
+            q = q - 8
+        else:
+            m = blocks[..., 2:4].contiguous().view(torch.float16).float()[..., 0]
+    return q, d, m
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] -> its Q8 blocks as the kernel makes them, K zero-padded to whole blocks:
+    (q int8 [M, nb, 32], d fp32 [M, nb], sum of q int32 [M, nb]); x ~ q * d."""
+    rows, k = x.shape
+    xb = F.pad(x.float(), (0, -k % BLOCK)).view(rows, -1, BLOCK)  # [M, nb, 32]
+    d = xb.abs().amax(-1) / 127  # [M, nb], one fp32 division
+    inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+    q = torch.round(xb * inv[..., None]).to(torch.int8)  # half to even, as lrintf
+    return q, d, q.sum(-1, dtype=torch.int32)
+
+
+def quant_linear_q8_reference(x: torch.Tensor, qweight: QuantizedWeight,
+                              bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The Q8-activation kernel's numerics: x [..., K] -> [..., N] in x's dtype."""
+    n, k = qweight.shape
+    lead = x.shape[:-1]
+    xq, dx, sx = quantize_activations(x.reshape(-1, k).cpu())  # [M, nb, 32], [M, nb], [M, nb]
+    wq, dw, mw = block_integers(qweight.to("cpu"))  # [N, nb, 32], [N, nb], [N, nb]
+    # Integer dot products per block pair, exact in float64 (|isum| < 2^20).
+    isum = torch.einsum("mbk,nbk->mnb", xq.double(), wq.double()).float()  # [M, N, nb]
+    v = (dw[None] * dx[:, None]) * isum  # [M, N, nb]
+    if qweight.fmt.name == "Q4_1":
+        v = v + mw[None] * (dx * sx.float())[:, None]
+    acc = torch.zeros(v.shape[:2])  # [M, N], summed over blocks in k order
+    for b in range(v.shape[-1]):
+        acc = acc + v[..., b]
+    if bias is not None:
+        acc = acc + bias.float().cpu()
+    return acc.reshape(*lead, n).to(device=x.device, dtype=x.dtype)

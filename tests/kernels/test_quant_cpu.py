@@ -1,6 +1,9 @@
-"""Quantized formats and the C kernel (kernels/cpu_quant.c) against the dequantize-then-matmul
-reference, on every ISA path this CPU runs (avx512 where present, avx2, portable); the AVX-512
-path's compile check on machines without it is test_cpu_build.py's (it builds every path)."""
+"""Quantized formats and the C kernel (kernels/cpu_quant.c) on every ISA path this CPU runs
+(avx512 where present, avx2, portable), with both activation formats: fp32 activations against
+the dequantize-then-matmul reference, Q8 activations bit for bit against their PyTorch model
+(quant_linear_q8_reference) and within the activation rounding's bound of the reference. The
+AVX-512 path's compile check on machines without it is test_cpu_build.py's (it builds every
+path)."""
 
 from __future__ import annotations
 
@@ -9,16 +12,20 @@ import pytest
 import torch
 from specserve.kernels import cpu_build, quant, quant_cpu
 from specserve.kernels.quant_reference import (
+    BLOCK,
     FORMATS,
     QuantizedWeight,
     dequantize,
     quant_format,
+    quant_linear_q8_reference,
     quant_linear_reference,
     quantize,
+    quantize_activations,
 )
 
 ISAS = cpu_build.supported_isas()
 SHAPES = [(1, 32), (7, 100), (33, 1000), (64, 256), (5, 4864), (130, 4096)]  # (N, K)
+ACTS = quant_cpu.ACTIVATIONS
 
 
 def _randn(*shape: int, seed: int) -> torch.Tensor:
@@ -61,7 +68,7 @@ def test_kernel_matches_reference(isa: str, fmt: str, m: int, n: int, k: int):
     qw = quantize(_randn(n, k, seed=n + k), fmt)
     x = _randn(m, k, seed=m).to(torch.bfloat16)
     want = quant_linear_reference(x.float(), qw)  # [m, n] fp32
-    got = quant_cpu.quant_matmul(x, qw, isa=isa, out_dtype=torch.float32)
+    got = quant_cpu.quant_matmul(x, qw, isa=isa, out_dtype=torch.float32, act="fp32")
     assert got.shape == (m, n) and got.dtype == torch.float32
     # Exact dequantized weights; only the fp32 summation order differs.
     scale = float(dequantize(qw).abs().max()) * k ** 0.5
@@ -69,26 +76,89 @@ def test_kernel_matches_reference(isa: str, fmt: str, m: int, n: int, k: int):
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
-def test_rows_are_bit_identical_alone_or_together(isa: str, fmt: str):
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 7, 12, 16])
+def test_q8_kernel_gives_its_models_bits(isa: str, fmt: str, m: int, n: int, k: int):
+    """Q8 activations: exact integers and the same fp32 operations in the same order on every
+    path, so the kernel equals its PyTorch model bit for bit."""
+    qw = quantize(_randn(n, k, seed=n + k), fmt)
+    x = _randn(m, k, seed=m).to(torch.bfloat16)
+    got = quant_cpu.quant_matmul(x, qw, isa=isa, out_dtype=torch.float32, act="q8")
+    assert got.shape == (m, n) and got.dtype == torch.float32
+    assert torch.equal(got, quant_linear_q8_reference(x.float(), qw))
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("n,k", [(33, 1000), (130, 4096)])
+def test_q8_kernel_within_the_activation_rounding_of_the_reference(isa: str, fmt: str, n: int,
+                                                                   k: int):
+    """Against dequantize-then-matmul: each activation moves by at most half its block's step
+    (amax / 254), so an output moves by at most sum_k |w[n, k]| * amax(block of k) / 254;
+    the fp32 sums add at most 1e-5 of sum_k |w x| more."""
+    qw = quantize(_randn(n, k, seed=n + k), fmt)
+    x = _randn(16, k, seed=k)
+    got = quant_cpu.quant_matmul(x, qw, isa=isa, act="q8")  # [16, n]
+    want = quant_linear_reference(x, qw)
+    w = dequantize(qw).abs()  # [n, k]
+    _, d, _ = quantize_activations(x)  # d [16, nb] = amax / 127
+    half_step = (d / 2).repeat_interleave(BLOCK, dim=1)[:, :k]  # [16, k]
+    bound = half_step @ w.T * (1 + 1e-3) + 1e-5 * (x.abs() @ w.T)  # [16, n]
+    err = (got - want).abs()
+    assert (err <= bound).all(), float((err / bound).max())
+    # The bound is not vacuous (random signs: the error grows like sqrt(K), the bound like K),
+    # and the error is small against y.
+    assert float((err / bound).max()) > 0.02
+    assert float(err.max()) < 0.02 * float(want.abs().max())
+
+
+def test_activations_quantize_as_q8_blocks():
+    x = torch.tensor([[0.0] * 32 + [127.0, -2.5, 0.5, 1.5, 3.7]])  # [1, 37]: one padded block
+    q, d, total = quantize_activations(x)
+    assert q.shape == (1, 2, 32) and q.dtype == torch.int8
+    assert float(d[0, 0]) == 0.0 and not q[0, 0].any()  # an all-zero block: scale 0, values 0
+    assert float(d[0, 1]) == 1.0  # amax / 127
+    assert q[0, 1, :5].tolist() == [127, -2, 0, 2, 4] and not q[0, 1, 5:].any()  # half to even
+    assert total[0].tolist() == [0, 131]
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_q8_kernel_rounds_ties_to_even(isa: str, fmt: str):
+    """Blocks whose largest value is 127 have scale 1: half-integer activations are ties."""
+    x = torch.randint(-254, 255, (4, 96), generator=torch.Generator().manual_seed(11)) / 2
+    x[:, ::BLOCK] = 127.0  # [4, 96]
+    qw = quantize(_randn(9, 96, seed=12), fmt)
+    got = quant_cpu.quant_matmul(x, qw, isa=isa, act="q8")
+    assert torch.equal(got, quant_linear_q8_reference(x, qw))
+    assert not torch.equal(got, quant_linear_q8_reference(x + 0.25, qw))  # ties matter here
+
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_rows_are_bit_identical_alone_or_together(isa: str, fmt: str, act: str):
     """A row's output must not depend on how many rows share the call (greedy speculation
     equals plain decoding only then)."""
     qw = quantize(_randn(67, 1000, seed=3), fmt)
     x = _randn(16, 1000, seed=4).to(torch.bfloat16)
-    together = quant_cpu.quant_matmul(x, qw, isa=isa, out_dtype=torch.float32)  # [16, 67]
-    for rows in (1, 2, 3, 7):
+    together = quant_cpu.quant_matmul(x, qw, isa=isa, out_dtype=torch.float32,
+                                      act=act)  # [16, 67]
+    for rows in range(1, 17):
         for start in range(0, 16 - rows + 1, 5):
             part = quant_cpu.quant_matmul(x[start:start + rows], qw, isa=isa,
-                                          out_dtype=torch.float32)
+                                          out_dtype=torch.float32, act=act)
             assert torch.equal(part, together[start:start + rows]), (rows, start)
 
 
+@pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_bias_and_output_dtype(isa: str, dtype: torch.dtype):
+def test_bias_and_output_dtype(isa: str, dtype: torch.dtype, act: str):
     qw = quantize(_randn(50, 64, seed=5), "Q4_1")
     x, bias = _randn(3, 64, seed=6).to(dtype), _randn(50, seed=7).to(dtype)
-    got = quant_cpu.quant_matmul(x, qw, bias, isa=isa)
+    got = quant_cpu.quant_matmul(x, qw, bias, isa=isa, act=act)
     assert got.dtype == dtype
-    want32 = quant_linear_reference(x.float(), qw, bias.float())
+    reference = quant_linear_q8_reference if act == "q8" else quant_linear_reference
+    want32 = reference(x.float(), qw, bias.float())
+    if act == "q8":  # the same operations, one rounding to dtype at the end
+        assert torch.equal(got, want32.to(dtype))
     if dtype == torch.float32:
         torch.testing.assert_close(got, want32, rtol=1e-5, atol=1e-5)
     else:  # one bf16 rounding of the fp32 sum (+ bias), maybe one step apart
@@ -100,11 +170,29 @@ def test_quant_linear_paths_agree():
     x = _randn(2, 3, 96, seed=9)  # [2, 3, K]: leading dimensions are kept
     want = quant.quant_linear(x, qw, impl="reference")
     assert want.shape == (2, 3, 40)
+    # The C kernel computes what its activation format's reference computes.
+    kernel_reference = (quant_linear_q8_reference if quant_cpu.activation_format() == "q8"
+                        else quant_linear_reference)
     if quant_cpu.library() is not None:
-        torch.testing.assert_close(quant.quant_linear(x, qw, impl="cpu"), want)
-    torch.testing.assert_close(quant.quant_linear(x, qw), want)
+        torch.testing.assert_close(quant.quant_linear(x, qw, impl="cpu"),
+                                   kernel_reference(x, qw))
+        torch.testing.assert_close(quant.quant_linear(x, qw), kernel_reference(x, qw))
+    else:
+        torch.testing.assert_close(quant.quant_linear(x, qw), want)
     many = _randn(2 * quant.MAX_ROWS + 1, 96, seed=10)  # a prompt chunk: split into calls
-    torch.testing.assert_close(quant.quant_linear(many, qw), quant_linear_reference(many, qw))
+    if quant_cpu.library() is None:
+        kernel_reference = quant_linear_reference
+    torch.testing.assert_close(quant.quant_linear(many, qw), kernel_reference(many, qw))
+
+
+def test_activation_format_comes_from_the_environment(monkeypatch):
+    monkeypatch.delenv("SPECSERVE_QUANT_ACT", raising=False)
+    assert quant_cpu.activation_format() == "q8"
+    monkeypatch.setenv("SPECSERVE_QUANT_ACT", "FP32")
+    assert quant_cpu.activation_format() == "fp32"
+    monkeypatch.setenv("SPECSERVE_QUANT_ACT", "int8")
+    with pytest.raises(ValueError, match="SPECSERVE_QUANT_ACT='int8'"):
+        quant_cpu.activation_format()
 
 
 def test_torch_path_means_the_reference():
@@ -126,4 +214,7 @@ def test_bad_input_is_named():
     with pytest.raises(ValueError, match="x must be"):
         quant_cpu.quant_matmul(torch.zeros(1, 32, dtype=torch.float16),
                                quantize(torch.ones(2, 32), "Q8_0"), isa=ISAS[-1])
+    with pytest.raises(ValueError, match="act='int4'"):
+        quant_cpu.quant_matmul(torch.zeros(1, 32), quantize(torch.ones(2, 32), "Q8_0"),
+                               isa=ISAS[-1], act="int4")
 
