@@ -15,11 +15,15 @@ come from its own printed eval timings. Rows run interleaved, each prompt at its
 Within each quantization, the default mode's tokens must equal speculation off's (checked
 before timing); across quantizations they differ, which the quality section measures.
 
-Kernel scaling (`--skip-kernels` to leave out): one decoder layer's projections of the widened
-shape (qkv 1536x1024, o 1024x1024, gate/up 8192x1024, down 1024x4096), 24 copies so the weights
-come from memory, timed for M = 1..16 activation rows: Q8_0 and Q4_0 on the C kernel of the
-selected ISA, bf16 on `kernels.linear`; ms per pass over all 24 layers, and the cost of M rows
-relative to one row.
+Kernels (`--skip-kernels` to leave out), two tables. Row scaling: one decoder layer's
+projections of the widened shape (qkv 1280x1024, o 1024x1024, gate/up 8192x1024, down
+1024x4096), 24 copies so the weights come from memory, timed for M = 1..16 activation rows:
+Q8_0 and Q4_0 on the C kernel of the selected ISA with Q8 and with fp32 activations
+(SPECSERVE_QUANT_ACT, kernels/quant_cpu.py), bf16 on `kernels.linear`; ms per pass over all 24
+layers, and the cost of M rows relative to one row. Shapes: each projection of the widened
+target and of SmolLM2-135M alone, M = 1 and 5, weights cycled from memory: time per product,
+weight bytes read per second and that as a share of torch.sum's read bandwidth (the memory
+bound), for Q8_0 / Q4_0 / Q4_1 with both activation formats, fp32 torch and bf16.
 
 Quality, on the demo target (the widened one computes the same function): mean next-token NLL
 (nats) over the model card's held-out windows (32 chat + 32 code windows of 256 tokens from the
@@ -55,6 +59,7 @@ from bench.compare import (
     setup,
     specserve_runner,
 )
+from bench.roofline import measure_read_bandwidth
 from specserve import LLM, SamplingParams
 from specserve.llm import demo_pair
 from specserve.model.loader import load_model, load_tokenizer
@@ -140,8 +145,20 @@ def format_speed(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-# ---- kernel scaling --------------------------------------------------------------------------
-LAYER_SHAPES = [(1536, 1024), (1024, 1024), (8192, 1024), (1024, 4096)]  # (N, K), widened
+# ---- kernels ----------------------------------------------------------------------------------
+LAYER_SHAPES = [(1280, 1024), (1024, 1024), (8192, 1024), (1024, 4096)]  # (N, K), widened
+# (name, N, K): one layer's projections (q/k/v and gate/up fused, as the model runs them).
+KERNEL_SHAPES = [("widened qkv", 1280, 1024), ("widened o", 1024, 1024),
+                 ("widened gate_up", 8192, 1024), ("widened down", 1024, 4096),
+                 ("SmolLM2 qkv", 960, 576), ("SmolLM2 o", 576, 576),
+                 ("SmolLM2 gate_up", 3072, 576), ("SmolLM2 down", 576, 1536)]
+QUANT_KINDS = [(fmt, act) for fmt in ("Q8_0", "Q4_0", "Q4_1") for act in ("q8", "fp32")]
+
+
+def _quant_fn(act: str):
+    from specserve.kernels.quant_cpu import quant_matmul
+
+    return lambda x, w: quant_matmul(x, w, act=act)
 
 
 def measure_kernels(rows: tuple[int, ...] = (1, 2, 4, 8, 16), layers: int = 24,
@@ -149,7 +166,6 @@ def measure_kernels(rows: tuple[int, ...] = (1, 2, 4, 8, 16), layers: int = 24,
     """ms per pass over `layers` copies of LAYER_SHAPES, per weight kind and row count
     (kinds interleaved, best of `repeats`)."""
     from specserve.kernels import linear
-    from specserve.kernels.quant import quant_linear
     from specserve.kernels.quant_reference import quantize
 
     gen = torch.Generator().manual_seed(0)
@@ -157,7 +173,9 @@ def measure_kernels(rows: tuple[int, ...] = (1, 2, 4, 8, 16), layers: int = 24,
              for _ in range(layers) for n, k in LAYER_SHAPES]
     weights = {"bf16": (linear, dense)}
     for fmt in ("Q8_0", "Q4_0"):
-        weights[fmt] = (quant_linear, [quantize(w, fmt) for w in dense])
+        blocks = [quantize(w, fmt) for w in dense]
+        for act in ("q8", "fp32"):
+            weights[f"{fmt} {act}"] = (_quant_fn(act), blocks)
     out: dict[str, dict[int, float]] = {kind: {} for kind in weights}
     for m in rows:
         xs = {k: torch.randn(m, k, generator=gen).to(torch.bfloat16) for _, k in LAYER_SHAPES}
@@ -179,6 +197,69 @@ def format_kernels(result: dict[str, dict[int, float]]) -> str:
     for kind, by_m in result.items():
         lines.append(f"| {kind} | " + " | ".join(f"{by_m[m]:.1f}" for m in rows) + " | "
                      + " | ".join(f"{by_m[m] / by_m[1]:.2f}" for m in rows[1:]) + " |")
+    return "\n".join(lines)
+
+
+def _copy(w):
+    from specserve.kernels.quant_reference import QuantizedWeight
+
+    if isinstance(w, QuantizedWeight):
+        return QuantizedWeight(w.fmt, w.blocks.clone(), w.shape)
+    return w.clone()
+
+
+def measure_kernel_shapes(rows: tuple[int, ...] = (1, 5), repeats: int = 5,
+                          footprint: int = 96 << 20) -> dict:
+    """Seconds per product and weight bytes read, per shape of KERNEL_SHAPES, weight kind and
+    row count: Q8_0 / Q4_0 / Q4_1 with q8 and fp32 activations on the C kernel of the selected
+    ISA, fp32 weights on torch's F.linear, bf16 on `kernels.linear`. Each kind cycles through
+    copies of its weight totalling `footprint` bytes (past the last-level cache, so the weights
+    come from memory, as in decode); kinds interleaved, best of `repeats`."""
+    from specserve.kernels import linear
+    from specserve.kernels.quant_reference import QuantizedWeight, quantize
+
+    gen = torch.Generator().manual_seed(0)
+    result = {}
+    for name, n, k in KERNEL_SHAPES:
+        dense = torch.randn(n, k, generator=gen)
+        kinds = {"fp32 torch": (F.linear, dense), "bf16 linear": (linear, dense.bfloat16())}
+        for fmt, act in QUANT_KINDS:
+            kinds[f"{fmt} {act}"] = (_quant_fn(act), quantize(dense, fmt))
+        copies, nbytes = {}, {}
+        for kind, (_, w) in kinds.items():
+            size = w.nbytes if isinstance(w, QuantizedWeight) else w.numel() * w.element_size()
+            count = max(2, -(-footprint // size))
+            copies[kind] = [w] + [_copy(w) for _ in range(count - 1)]
+            nbytes[kind] = size
+        for m in rows:
+            x = torch.randn(m, k, generator=gen)
+            xs = {"fp32 torch": x}
+            best = {kind: float("inf") for kind in kinds}
+            for _ in range(repeats):
+                for kind, (fn, _) in kinds.items():
+                    xk = xs.get(kind, x.bfloat16())
+                    start = time.perf_counter()
+                    for w in copies[kind]:
+                        fn(xk, w)
+                    best[kind] = min(best[kind],
+                                     (time.perf_counter() - start) / len(copies[kind]))
+            result[f"{name} {n}x{k} M={m}"] = {
+                kind: {"us": 1e6 * best[kind], "gbps": nbytes[kind] / best[kind] / 1e9}
+                for kind in kinds}
+        del copies
+    return result
+
+
+def format_kernel_shapes(result: dict, bandwidth: float) -> str:
+    kinds = list(next(iter(result.values())))
+    lines = ["| shape | " + " | ".join(kinds) + " | Q8_0 q8 vs fp32 act | Q4_0 | Q4_1 |",
+             "|---" * (len(kinds) + 4) + "|"]
+    for shape, by_kind in result.items():
+        cells = [f"{v['us']:.0f} us {v['gbps']:.1f} GB/s {v['gbps'] / bandwidth:.0%}"
+                 for v in by_kind.values()]
+        speedups = [f"{by_kind[f'{fmt} fp32']['us'] / by_kind[f'{fmt} q8']['us']:.2f}x"
+                    for fmt in ("Q8_0", "Q4_0", "Q4_1")]
+        lines.append(f"| {shape} | " + " | ".join(cells + speedups) + " |")
     return "\n".join(lines)
 
 
@@ -274,6 +355,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nOne pass over 24 widened layers' projections, ISA path "
               f"{cpu_build.selected_isa()}, best of 5:\n")
         print(format_kernels(report["kernels"]))
+        log("kernel shapes")
+        bandwidth = measure_read_bandwidth(256 << 20)
+        report["read_bandwidth_gbps"] = bandwidth / 1e9
+        report["kernel_shapes"] = measure_kernel_shapes()
+        print(f"\nOne product per shape, weights from memory (copies cycled past the L3), best "
+              f"of 5, ISA path {cpu_build.selected_isa()}: time, weight bytes read per second, "
+              f"and that as a share of torch.sum's read bandwidth "
+              f"({bandwidth / 1e9:.1f} GB/s):\n")
+        print(format_kernel_shapes(report["kernel_shapes"], bandwidth / 1e9))
     if not args.skip_speed:
         pair = load_pair("widened")
         ggufs = {} if args.no_llamacpp else _ggufs(args, pair.target)
