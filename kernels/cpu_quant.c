@@ -276,11 +276,38 @@ typedef struct {
     int64_t kp, row_bytes, nb;
 } q8_ctx;
 
-/* One activation row (kp fp32 values, whole blocks) to Q8 blocks, as the header defines. */
+/* One activation row (kp fp32 values, whole blocks) to Q8 blocks, as the header defines.
+ * |x * id| <= 127 (1 + 2^-23)^2, so every value rounds into [-127, 127]; rounding is the
+ * default mode's, half to even (lrintf, or cvtps2dq under the default MXCSR). */
 static void quantize_row_q8(const float *x, int64_t nb, int8_t *q, float *d, float *s,
                             int32_t *sum) {
     for (int64_t b = 0; b < nb; b++) {
         const float *xb = x + b * QK;
+        int8_t *qb = q + b * QK;
+#if defined(SPECSERVE_ISA_AVX512) || defined(SPECSERVE_ISA_AVX2)
+        const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+        __m256 v[4], m = _mm256_setzero_ps();
+        for (int g = 0; g < 4; g++) {
+            v[g] = _mm256_loadu_ps(xb + 8 * g);
+            m = _mm256_max_ps(m, _mm256_and_ps(v[g], magnitude));
+        }
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+        const float db = amax / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
+        __m256i iv[4];
+        for (int g = 0; g < 4; g++) iv[g] = _mm256_cvtps_epi32(_mm256_mul_ps(v[g], _mm256_set1_ps(id)));
+        /* Saturating packs are exact here; they interleave per 128-bit lane, so restore k order. */
+        const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(iv[0], iv[1]),
+                                                 _mm256_packs_epi32(iv[2], iv[3]));
+        _mm256_storeu_si256((__m256i *)qb, _mm256_permutevar8x32_epi32(
+                                               bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+        const __m256i lanes = _mm256_add_epi32(_mm256_add_epi32(iv[0], iv[1]),
+                                               _mm256_add_epi32(iv[2], iv[3]));
+        __m128i t = _mm_add_epi32(_mm256_castsi256_si128(lanes), _mm256_extracti128_si256(lanes, 1));
+        t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+        const int32_t total = _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1)));
+#else
         float amax = 0.0f;
         for (int j = 0; j < QK; j++) {
             const float a = xb[j] < 0.0f ? -xb[j] : xb[j];
@@ -288,11 +315,11 @@ static void quantize_row_q8(const float *x, int64_t nb, int8_t *q, float *d, flo
         }
         const float db = amax / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
         int32_t total = 0;
-        for (int j = 0; j < QK; j++) { /* |x * id| <= 127 (1 + 2^-23)^2: rounds to <= 127 */
-            const int8_t v = (int8_t)lrintf(xb[j] * id); /* the default mode: half to even */
-            q[b * QK + j] = v;
-            total += v;
+        for (int j = 0; j < QK; j++) {
+            qb[j] = (int8_t)lrintf(xb[j] * id);
+            total += qb[j];
         }
+#endif
         d[b] = db;
         sum[b] = total;
         s[b] = db * (float)total;
