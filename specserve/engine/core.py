@@ -126,7 +126,7 @@ class EngineCore:
         if req is None:
             return None
         self.scheduler.finish(req)
-        self.adaptive.forget(request_id)
+        self._forget(req)
         req.finish("abort")
         return RequestDelta(request_id, [], req.take_text_delta(), finish_reason="abort",
                             metrics=req.metrics(), time=time.monotonic())
@@ -183,6 +183,8 @@ class EngineCore:
         timer = _StepTimer()
         out = self.scheduler.schedule()
         timer.lap("schedule")
+        for req in out.preempted:  # recomputed from the start: its target states come again
+            self._forget_target_hidden(req)
         if not out.scheduled:
             self.stats.schedule_time_s += timer.laps["schedule"]
             return []
@@ -196,6 +198,7 @@ class EngineCore:
         timer.lap("target_forward")
         verdicts = self._verify(out.scheduled, trees, segments, logits)
         timer.lap("verify")
+        self._record_target_hidden(out.scheduled, segments, hidden, trees, verdicts)
         now = time.monotonic()
         deltas = [self._commit(item, tree, verdict, modes.get(item.request.request_id, OFF),
                                now)
@@ -244,21 +247,44 @@ class EngineCore:
             return self._proposer_for(modes[req.request_id])
         return self._proposer_for(self._configured_mode(req))
 
+    def _feeds_draft_hidden(self, req: Request) -> bool:
+        """Whether the draft of this request's configured mode reads the target's hidden
+        states (an EAGLE-style draft), so the target's forwards keep them."""
+        proposer = self._proposer_for(self._configured_mode(req))
+        return proposer is self.proposer and proposer is not None and \
+            proposer.reads_target_hidden
+
     def _target_segment(self, item: ScheduledRequest, tree: TokenTree | None) -> Segment:
         req = item.request
         start = req.num_computed_tokens
+        every_row = self._feeds_draft_hidden(req)
         if tree is not None:
             buffers = build_tree_buffers(tree.parents)
             return Segment(tree.tokens, buffers.positions(start).tolist(), start,
-                           req.block_table, range(len(tree)), buffers.tree_mask)
+                           req.block_table, range(len(tree)), buffers.tree_mask,
+                           hidden_rows=range(len(tree)) if every_row else ())
         end = start + item.num_new_tokens
         samples = end == req.num_tokens
-        hidden_rows = ()
-        if req.needs_prompt_logprobs:  # rows predicting prompt tokens not yet scored
-            first = max(start, len(req.prompt_logprobs) - 1)
-            hidden_rows = range(first - start, min(end, len(req.prompt_token_ids) - 1) - start)
+        hidden_rows = (range(item.num_new_tokens) if every_row
+                       else _prompt_logprob_rows(req, start, end))
         return Segment(req.all_token_ids[start:end], range(start, end), start, req.block_table,
                        [item.num_new_tokens - 1] if samples else [], hidden_rows=hidden_rows)
+
+    def _record_target_hidden(self, scheduled: list[ScheduledRequest], segments: list[Segment],
+                              hidden: list[torch.Tensor], trees: dict[str, TokenTree],
+                              verdicts: list[tuple[ScheduledRequest, TokenTree, Verdict]]
+                              ) -> None:
+        """Hand a hidden-reading draft the target's states at this step's committed positions:
+        every row of a prompt chunk or plain decode, the root and accepted nodes of a tree (the
+        root sits at the segment's start, the accepted path right behind it)."""
+        accepted = {item.request.request_id: verdict.accepted for item, _, verdict in verdicts}
+        for item, seg, hid in zip(scheduled, segments, hidden):
+            req = item.request
+            if not self._feeds_draft_hidden(req):
+                continue
+            rid = req.request_id
+            rows = [0] + accepted[rid] if rid in trees else list(range(len(seg.token_ids)))
+            self.proposer.record_target_hidden(rid, seg.start, hid[rows])  # [n, H]
 
     def _verify(self, scheduled: list[ScheduledRequest], trees: dict[str, TokenTree],
                 segments: list[Segment], logits: list[torch.Tensor]
@@ -294,8 +320,11 @@ class EngineCore:
         hidden rows, of committed tokens from the verify logits (no extra forward). The prompt's
         ride on the request's first delta."""
         for item, seg, hid in zip(scheduled, segments, hidden):
-            if seg.hidden_rows:
-                self._score_prompt(item.request, seg, hid)
+            rows = _prompt_logprob_rows(item.request, seg.start, seg.start + len(seg.token_ids))
+            if rows:  # hid holds seg.hidden_rows (a range that includes `rows`)
+                offset = seg.hidden_rows.start
+                self._score_prompt(item.request, seg.start + rows.start,
+                                   hid[rows.start - offset:rows.stop - offset])
         verify_logits = {item.request.request_id: lg for item, lg in zip(scheduled, logits)}
         scored = []  # (request, its delta, verify logits rows of its committed tokens)
         for (item, _, verdict), delta in zip(verdicts, deltas):
@@ -310,10 +339,11 @@ class EngineCore:
         if scored:
             self._score_outputs(scored)
 
-    def _score_prompt(self, req: Request, seg: Segment, hidden: torch.Tensor) -> None:
-        """Prompt log-probabilities of the tokens this chunk's hidden rows predict."""
-        first = seg.start + seg.hidden_rows[0] + 1  # the first prompt token scored
-        targets = req.prompt_token_ids[first:first + len(seg.hidden_rows)]
+    def _score_prompt(self, req: Request, first_row: int, hidden: torch.Tensor) -> None:
+        """Prompt log-probabilities of the tokens that the hidden rows [n, H] of positions
+        first_row, +1, ... predict."""
+        first = first_row + 1  # the first prompt token scored
+        targets = req.prompt_token_ids[first:first + len(hidden)]
         req.prompt_logprobs += chunked_token_logprobs(hidden, targets, req.params.prompt_logprobs,
                                                       self.runner.logits)
 
@@ -380,7 +410,7 @@ class EngineCore:
         if req.is_finished:
             self.scheduler.finish(req)
             self.requests.pop(req.request_id, None)
-            self.adaptive.forget(req.request_id)
+            self._forget(req)
             self.stats.num_finished += 1
             delta.finish_reason = req.finish_reason
             delta.metrics = req.metrics()
@@ -388,6 +418,15 @@ class EngineCore:
             self.scheduler.cache_full_blocks(req)
         delta.text = req.take_text_delta()
         return delta
+
+    def _forget(self, req: Request) -> None:
+        """A request left the engine: drop what adaptive speculation and the draft keep of it."""
+        self.adaptive.forget(req.request_id)
+        self._forget_target_hidden(req)
+
+    def _forget_target_hidden(self, req: Request) -> None:
+        if self.proposer is not None:
+            self.proposer.forget(req.request_id)
 
     def _record_step(self, scheduled: list[ScheduledRequest], timer: _StepTimer,
                      segments: list[Segment], draft: Proposal | None) -> None:
@@ -416,6 +455,15 @@ class _StepTimer:
         now = time.perf_counter()
         self.laps[phase] = now - self._last
         self._last = now
+
+
+def _prompt_logprob_rows(req: Request, start: int, end: int) -> range:
+    """Local rows of a chunk at positions [start, end) that predict prompt tokens whose
+    log-probabilities are asked for and not yet computed (empty if none)."""
+    if not req.needs_prompt_logprobs:
+        return range(0)
+    first = max(start, len(req.prompt_logprobs) - 1)
+    return range(first - start, max(first, min(end, len(req.prompt_token_ids) - 1)) - start)
 
 
 def _proposer_input(item: ScheduledRequest, mode: SpecMode) -> ProposerInput:

@@ -56,6 +56,10 @@ class ArchSpec:
     # with `shared_embeddings` its input embeddings are the target's own, given at load.
     head_vocab_size: int | None = None
     shared_embeddings: bool = False
+    # An EAGLE-style draft (draft_models/eagle_draft.py) reads, beside each token, the target's
+    # final hidden state at the position before it: `fc` fuses [embedding, hidden] into its
+    # first layer's input. Its hidden size is the target's.
+    reads_target_hidden: bool = False
 
     @classmethod
     def from_hf_config(cls, config) -> ArchSpec:
@@ -87,6 +91,7 @@ class ArchSpec:
             sliding_window=window,
             head_vocab_size=getattr(config, "draft_vocab_size", None),
             shared_embeddings=bool(getattr(config, "shares_target_embeddings", False)),
+            reads_target_hidden=bool(getattr(config, "reads_target_hidden", False)),
         )
 
 
@@ -172,6 +177,12 @@ class DecoderLM(nn.Module):
         self.spec = spec
         self.shard = shard
         self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, dtype, shard)
+        if spec.reads_target_hidden and shard.is_split:
+            raise ValueError("a draft that reads the target's hidden states runs whole on rank 0 "
+                             "(draft_tp=1)")
+        H = spec.hidden_size
+        self.fc = (ColumnParallelLinear(2 * H, [RowRange(H, 0, H)], bias=True, dtype=dtype)
+                   if spec.reads_target_hidden else None)
         self.layers = nn.ModuleList(DecoderLayer(spec, dtype, shard)
                                     for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
@@ -192,9 +203,18 @@ class DecoderLM(nn.Module):
         return [m for m in self.modules() if isinstance(m, RMSNorm)]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions [T]; kv_cache [L, 2, num_blocks, block_size, Hkv, D] -> [T, H]."""
-        x = self.embed_tokens(input_ids)
+                meta: AttentionMetadata, target_hidden: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """input_ids, positions [T]; kv_cache [L, 2, num_blocks, block_size, Hkv, D] -> [T, H].
+
+        target_hidden [T, H]: for a draft that reads them (`spec.reads_target_hidden`), the
+        target's final hidden state at each token's previous position (or the draft's own
+        output standing in for it)."""
+        x = self.embed_tokens(input_ids)  # [T, H]
+        if self.fc is not None:
+            if target_hidden is None:
+                raise ValueError("this draft reads the target's hidden states; none were given")
+            x = self.fc(torch.cat([x, target_hidden.to(x.dtype)], dim=-1))  # [T, 2H] -> [T, H]
         for i, layer in enumerate(self.layers):
             x = layer(x, positions, self.rotary, kv_cache[i], meta)
         return self.norm(x)

@@ -101,6 +101,8 @@ def _route(name: str, spec: ArchSpec) -> tuple[str, int] | None:
         return "embed_tokens.weight", 0
     if name == "model.norm.weight":
         return "norm.weight", 0
+    if name in ("model.fc.weight", "model.fc.bias") and spec.reads_target_hidden:
+        return name.removeprefix("model."), 0
     if name == "lm_head.weight":
         return (None if spec.tie_word_embeddings else ("lm_head.weight", 0))
     m = _LAYER.match(name)
@@ -140,6 +142,8 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto",
     if spec.shared_embeddings and target is None:
         raise CheckpointError(f"{path}: this draft uses its target's embeddings; load it "
                               f"together with its target")
+    if spec.reads_target_hidden:
+        _check_reads_target_hidden(spec, target, shard, path)
     if spec.shared_embeddings and dtype == "auto":  # the target's dtype: one shared tensor
         dtype = target.embed_tokens.weight.dtype
     torch_dtype = resolve_dtype(dtype, config)
@@ -163,6 +167,20 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto",
         loaded.add(("embed_tokens.weight", 0))
     _check_complete(model, loaded, path)
     return quantize_model(model, quantization).to(device).eval()
+
+
+def _check_reads_target_hidden(spec: ArchSpec, target: DecoderLM | None, shard: TPShard,
+                               path: Path) -> None:
+    if target is None:
+        raise CheckpointError(f"{path}: this draft reads its target's hidden states; load it "
+                              f"together with its target")
+    if spec.hidden_size != target.spec.hidden_size:
+        raise CheckpointError(f"{path}: this draft reads hidden states of size "
+                              f"{spec.hidden_size}; the target's are {target.spec.hidden_size} "
+                              f"(a draft made for another model?)")
+    if shard.is_split:
+        raise CheckpointError(f"{path}: a draft that reads the target's hidden states runs "
+                              f"whole on rank 0 (draft_tp=1)")
 
 
 def _share_embeddings(draft: DecoderLM, target: DecoderLM, path: Path) -> None:

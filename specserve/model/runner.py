@@ -46,6 +46,8 @@ class Segment:
     logit_rows: Sequence[int]  # local rows whose logits are wanted
     mask: torch.Tensor | None = None  # [n, n] bool, row i sees token j; None = causal
     hidden_rows: Sequence[int] = ()  # local rows whose final hidden states are wanted
+    # [n, H]: for a draft that reads them, the target's hidden state before each token
+    target_hidden: torch.Tensor | None = None
 
 
 def kv_bytes_per_block(model: DecoderLM, block_size: int, dtype: torch.dtype) -> int:
@@ -168,7 +170,7 @@ class ModelRunner:
         inputs = self.prepare(segments)
         if self.drives_workers:
             send_command([Command.FORWARD, self.runner_id, *inputs.header()], inputs.payload())
-        hidden = self._hidden(inputs)  # [T, H]
+        hidden = self._hidden(inputs, self._target_hidden(segments))  # [T, H]
         logits = self._logit_rows(hidden, inputs)
         if logits is None:  # no segment wants logits
             logits = torch.zeros(0, self.model.spec.vocab_size)
@@ -218,7 +220,17 @@ class ModelRunner:
         """
         return self._logit_rows(self._hidden(inputs), inputs)
 
-    def _hidden(self, inputs: StepInputs) -> torch.Tensor:
+    def _target_hidden(self, segments: Sequence[Segment]) -> torch.Tensor | None:
+        """[T, H] the segments' `target_hidden` rows stacked (a draft that reads them runs
+        whole, so they never travel to workers); None when no segment has them."""
+        if all(seg.target_hidden is None for seg in segments):
+            return None
+        if any(seg.target_hidden is None for seg in segments):
+            raise ValueError("every segment of a hidden-reading draft needs target_hidden")
+        return torch.cat([seg.target_hidden for seg in segments]).to(self.device)
+
+    def _hidden(self, inputs: StepInputs, target_hidden: torch.Tensor | None = None
+                ) -> torch.Tensor:
         """The final hidden states [T, H] of this rank's shard (replicated across ranks)."""
         dev = self.device
         mask = inputs.local_mask
@@ -231,7 +243,7 @@ class ModelRunner:
             max_query_len=inputs.max_query_len,
         )
         return self.model(inputs.token_ids.to(dev), inputs.positions.to(dev), self.kv_cache,
-                          meta)
+                          meta, target_hidden)
 
     def _logit_rows(self, hidden: torch.Tensor, inputs: StepInputs) -> torch.Tensor | None:
         if len(inputs.logit_rows) == 0:

@@ -2,12 +2,15 @@
 
 `DraftModelProposer` grows chains, static trees and dynamic EAGLE-2-style trees from one loop,
 level by level, with a small draft model that shares the target's vocabulary and block ids.
-`NgramProposer` drafts a chain from earlier occurrences of the context's last tokens (prompt
-lookup) without any model. Both implement the `Proposer` protocol the engine drives: how many KV
-slots a request needs past its root (`spec_slots`, so the speculation can be chosen per step),
-`propose` (a `Proposal`: token trees, and how far the draft KV now reaches) and `after_verify`
-(how far the draft KV reaches once the accepted path's KV is in place). Proposers see a request
-only through `ProposerInput` and never write engine state: the engine owns KV progress.
+An EAGLE-style draft (`spec.reads_target_hidden`) reads, beside each token, the target's final
+hidden state at the previous position (`target_hidden.py`), and inside a tree its parent node's
+own output state in its place. `NgramProposer` drafts a chain from earlier occurrences of the
+context's last tokens (prompt lookup) without any model. Both implement the `Proposer` protocol
+the engine drives: how many KV slots a request needs past its root (`spec_slots`, so the
+speculation can be chosen per step), `propose` (a `Proposal`: token trees, and how far the draft
+KV now reaches) and `after_verify` (how far the draft KV reaches once the accepted path's KV is
+in place). Proposers see a request only through `ProposerInput` and never write engine state:
+the engine owns KV progress.
 
 Draft KV layout for one request during a step (P = root position, the last committed token):
 
@@ -16,7 +19,7 @@ Draft KV layout for one request during a step (P = root position, the last commi
 Each level's draft forward re-runs every node forwarded so far (rows are nearly free next to
 the weights), so the attention mask stays a plain per-forward tree mask. After verification the
 accepted path's draft KV moves to P+1, P+2, ... like the target's, so the draft never recomputes
-what it already has.
+what it already has (an EAGLE-style draft recomputes it from the target's states instead).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import torch
 from ..model.runner import ModelRunner, Segment
 from ..sampling import SamplingParams, process_logits
 from .modes import DEFAULT_TREE_DEPTH, DEFAULT_TREE_TOPK, SpecKind, SpecMode
+from .target_hidden import TargetHiddenStore
 from .tree import TokenTree, children_lists, paths_to_parents, tree_mask
 from .verify import Verdict
 
@@ -103,6 +107,9 @@ class _Growing:
     probs: dict[int, torch.Tensor] = field(default_factory=dict)  # node -> processed q [V]
     shape_children: list[list[int]] | None = None  # static: children of each shape node
     shape_node: list[int] = field(default_factory=lambda: [0])  # tree node -> shape node
+    # EAGLE-style drafts: node -> the draft's output hidden state [H], which its children read
+    # in place of the target's
+    node_hidden: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property
     def greedy(self) -> bool:
@@ -112,6 +119,25 @@ class _Growing:
 class DraftModelProposer:
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
+        spec = runner.model.spec
+        # An EAGLE-style draft reads the target's hidden states beside its tokens; the engine
+        # hands them over with `record_target_hidden` after each target forward.
+        self.target_hidden = (TargetHiddenStore(spec.hidden_size) if spec.reads_target_hidden
+                              else None)
+
+    @property
+    def reads_target_hidden(self) -> bool:
+        return self.target_hidden is not None
+
+    def record_target_hidden(self, request_id: str, first_position: int,
+                             hidden: torch.Tensor) -> None:
+        """The target's final hidden states [n, H] at positions first_position, +1, ... ."""
+        self.target_hidden.record(request_id, first_position, hidden)
+
+    def forget(self, request_id: str) -> None:
+        """A request left the engine."""
+        if self.target_hidden is not None:
+            self.target_hidden.forget(request_id)
 
     def spec_slots(self, mode: SpecMode, remaining_tokens: int) -> int:
         if mode.kind is SpecKind.TREE and remaining_tokens > 1:
@@ -133,23 +159,37 @@ class DraftModelProposer:
         for inp in inputs:
             end = inp.num_computed_tokens + inp.num_new_tokens
             speculating = inp.num_spec_slots > 0
+            if self.target_hidden is not None:
+                # Position p reads the target's state at p - 1: the draft reaches only as far as
+                # the target has computed (a prompt chunk one step after the target's forward).
+                reach = min(end, self.target_hidden.reach(inp.request_id))
+                speculating = speculating and reach == end
+                end = reach
             if inp.num_draft_computed >= end:
                 continue
             if not speculating and inp.is_decoding:
                 continue  # a decode step without speculation: the draft catches up later
-            tokens = inp.token_ids[inp.num_draft_computed:end]
-            catch_up.append(Segment(tokens, range(inp.num_draft_computed, end),
-                                    inp.num_draft_computed, inp.block_table,
-                                    [len(tokens) - 1] if speculating else []))
+            start = inp.num_draft_computed
+            tokens = inp.token_ids[start:end]
+            rows = [len(tokens) - 1] if speculating else []
+            catch_up.append(Segment(tokens, range(start, end), start, inp.block_table, rows,
+                                    hidden_rows=rows if self.target_hidden is not None else (),
+                                    target_hidden=self._read_target_hidden(inp.request_id,
+                                                                           start, end)))
             proposal.draft_computed[inp.request_id] = end
             if speculating:
                 growing.append(self._start(inp))
         if not catch_up:
             return proposal
-        logits = self.runner.forward(catch_up)
-        roots = iter(lg[0] for seg, lg in zip(catch_up, logits) if seg.logit_rows)
+        hidden: list[torch.Tensor] = []
+        logits = self.runner.forward(catch_up, hidden)
+        roots = iter((lg, hid) for seg, lg, hid in zip(catch_up, logits, hidden)
+                     if seg.logit_rows)
         for g in growing:
-            g.expand[0] = next(roots)
+            lg, hid = next(roots)
+            g.expand[0] = lg[0]
+            if len(hid):
+                g.node_hidden[0] = hid[0]
         for depth in range(1, max((g.max_depth for g in growing), default=0) + 1):
             for g in growing:
                 if depth <= g.max_depth:
@@ -157,6 +197,16 @@ class DraftModelProposer:
             self._forward_pending([g for g in growing if g.pending], proposal)
         proposal.trees = {g.inp.request_id: self._finish(g) for g in growing}
         return proposal
+
+    def _read_target_hidden(self, request_id: str, start: int, end: int
+                            ) -> torch.Tensor | None:
+        """[end - start, H] what positions start..end-1 read; the rows before end - 1 are then
+        done with (position end reads the row of end - 1)."""
+        if self.target_hidden is None:
+            return None
+        rows = self.target_hidden.inputs(request_id, start, end)
+        self.target_hidden.drop_before(request_id, end - 1)
+        return rows
 
     def _start(self, inp: ProposerInput) -> _Growing:
         mode, budget = inp.mode, inp.num_spec_slots
@@ -226,12 +276,22 @@ class DraftModelProposer:
             rows = {node: r for r, node in enumerate(fwd)}
             # The root is below `start`: every row sees it as context, so it is no mask row.
             mask = tree_mask([rows.get(g.parents[node], -1) for node in fwd])
+            wanted = [rows[i] for i in g.pending]
+            # A hidden-reading draft: each node reads its parent's output state [n, H].
+            parent_hidden = (torch.stack([g.node_hidden[g.parents[i]] for i in fwd])
+                             if self.target_hidden is not None else None)
             segments.append(Segment([g.tokens[i] for i in fwd],
                                     [g.root + g.depths[i] for i in fwd], g.root + 1,
-                                    g.inp.block_table, [rows[i] for i in g.pending], mask))
-        for g, logits in zip(growing, self.runner.forward(segments)):
-            for node, row in zip(g.pending, logits):
+                                    g.inp.block_table, wanted, mask,
+                                    hidden_rows=wanted if parent_hidden is not None else (),
+                                    target_hidden=parent_hidden))
+        hidden: list[torch.Tensor] = []
+        logits = self.runner.forward(segments, hidden)
+        for g, rows_logits, hid in zip(growing, logits, hidden):
+            for i, (node, row) in enumerate(zip(g.pending, rows_logits)):
                 g.expand[node] = row
+                if len(hid):
+                    g.node_hidden[node] = hid[i]
             g.pending = []
         proposal.num_levels += 1
         proposal.levels_time_s += time.perf_counter() - start
@@ -260,6 +320,10 @@ class DraftModelProposer:
     def after_verify(self, block_table: list[int], root: int, tree: TokenTree,
                      verdict: Verdict) -> int:
         """Keep the draft KV of accepted nodes: move it into place, drop the rest."""
+        if self.target_hidden is not None:
+            # The accepted nodes' draft KV was computed from the draft's own states; the next
+            # catch-up recomputes it from the target's (the root's KV already is).
+            return root + 1
         moves, kept = [], 0
         for depth, node in enumerate(verdict.accepted, start=1):
             j = tree.draft_rows[node]

@@ -1,0 +1,185 @@
+"""An EAGLE-style draft for a chat target, and its distillation on the target's replies.
+
+The draft (`EagleDraft`, after Li et al., EAGLE, 2024) reads, beside each token t_j, the target's
+final hidden state f_{j-1} at the position before it:
+
+    x_j = fc([embed(t_j); f_{j-1}])  ->  decoder layer(s)  ->  final norm  ->  h_j
+
+h_j stands in for the target's own f_j: the draft's head scores the next token from it, and while
+drafting a tree, a node's children read their parent's h in place of the f the target has not
+computed yet. The input embeddings are the target's (frozen, not shipped); the head is the
+target's tied embedding rows of the `head_vocab_size` most frequent reply tokens (FR-Spec,
+frozen): a draft whose h equals f ranks those tokens exactly as the target does.
+
+Training is teacher forcing on target-written replies whose f the target computed once
+(`target_states`): the loss at each reply position is smooth-L1(h_j, f_j) plus the cross-entropy
+between the target's next-token distribution over the draft's tokens and the draft's. With
+`unroll` k > 1, pass i (2..k) feeds every position the draft's own h_{j-1} from pass i - 1
+instead of f_{j-1}, as drafting does at depth i, and adds the same loss.
+
+The saved folder is a Hugging Face-style Llama checkpoint (specserve loads it with
+`model.fc.*`, `lm_head.weight`, `lm_head.token_ids`) whose config adds `reads_target_hidden`,
+`draft_vocab_size` and `shares_target_embeddings`.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from torch import nn
+
+
+@torch.inference_mode()
+def target_states(target: nn.Module, records: Sequence[dict], batch_size: int = 16,
+                  log=print) -> list[torch.Tensor]:
+    """Per record, the target's final (post-norm) hidden states over prompt + reply,
+    float16 [len(prompt) + len(reply), H]: what the head reads and the draft imitates."""
+    out: list[torch.Tensor] = []
+    for i in range(0, len(records), batch_size):
+        batch = records[i:i + batch_size]
+        seqs = [r["prompt_ids"] + r["reply_ids"] for r in batch]
+        width = max(map(len, seqs))
+        ids = torch.zeros(len(seqs), width, dtype=torch.long)
+        mask = torch.zeros(len(seqs), width, dtype=torch.long)
+        for b, seq in enumerate(seqs):
+            ids[b, :len(seq)] = torch.tensor(seq)
+            mask[b, :len(seq)] = 1
+        hidden = target.model(input_ids=ids, attention_mask=mask).last_hidden_state  # [B, T, H]
+        out += [hidden[b, :len(seq)].to(torch.float16).clone() for b, seq in enumerate(seqs)]
+        if (i // batch_size) % 10 == 0:
+            log(f"target states {len(out)}/{len(records)}")
+    return out
+
+
+class EagleDraft(nn.Module):
+    """Training twin of specserve's DecoderLM with `reads_target_hidden` and a reduced head."""
+
+    def __init__(self, target: nn.Module, num_layers: int, token_ids: torch.Tensor,
+                 init_layers: Sequence[int] = ()) -> None:
+        from transformers import LlamaConfig, LlamaModel
+
+        super().__init__()
+        cfg = LlamaConfig(**{**target.config.to_dict(), "num_hidden_layers": num_layers})
+        cfg.architectures = ["LlamaForCausalLM"]
+        self.config = cfg
+        H = cfg.hidden_size
+        embed = target.model.embed_tokens
+        self.embed_tokens = embed  # shared, frozen, not saved
+        embed.requires_grad_(False)
+        self.fc = nn.Linear(2 * H, H, bias=True)
+        self.model = LlamaModel(cfg)
+        self.model.embed_tokens = None  # inputs_embeds only
+        for mine, src in zip(self.model.layers, init_layers):
+            mine.load_state_dict(target.model.layers[src].state_dict())
+        self.model.norm.load_state_dict(target.model.norm.state_dict())
+        self.register_buffer("token_ids", token_ids.clone())
+        head = target.lm_head.weight if target.lm_head is not None else embed.weight
+        self.register_buffer("head", head[token_ids].detach().clone())  # [K, H], frozen
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                prev_hidden: torch.Tensor) -> torch.Tensor:
+        """input_ids, attention_mask [B, T]; prev_hidden [B, T, H] (the state before each
+        token) -> h [B, T, H]."""
+        x = self.fc(torch.cat([self.embed_tokens(input_ids), prev_hidden], dim=-1))
+        return self.model(inputs_embeds=x, attention_mask=attention_mask).last_hidden_state
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., H] -> [..., K] over the draft's tokens."""
+        return hidden @ self.head.T
+
+    def trainable(self) -> list[nn.Parameter]:
+        return [p for p in self.parameters() if p.requires_grad]
+
+    def save(self, out: Path, extra_config: dict, dtype: torch.dtype = torch.bfloat16) -> None:
+        """Safetensors without the embeddings; config.json naming the draft's kind."""
+        out.mkdir(parents=True, exist_ok=True)
+        state = {f"model.{k}": v for k, v in self.model.state_dict().items()
+                 if "rotary_emb" not in k}
+        state["model.fc.weight"] = self.fc.weight
+        state["model.fc.bias"] = self.fc.bias
+        state["lm_head.weight"] = self.head
+        state = {k: v.detach().to(dtype).contiguous() for k, v in state.items()}
+        state["lm_head.token_ids"] = self.token_ids.clone()
+        save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+        cfg = self.config.to_dict()
+        cfg.update(tie_word_embeddings=False, dtype=str(dtype).removeprefix("torch."),
+                   draft_vocab_size=len(self.token_ids), shares_target_embeddings=True,
+                   reads_target_hidden=True, **extra_config)
+        (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
+def state_batches(records: Sequence[dict], states: Sequence[torch.Tensor], batch_size: int,
+                  seed: int) -> Iterator[tuple[torch.Tensor, ...]]:
+    """Endless shuffled batches: ids, attention mask [B, T]; prev [B, T, H] (f_{j-1}, zeros at
+    j = 0 and in padding); f [B, T, H]; loss mask [B, T] (positions predicting reply tokens)."""
+    rng = random.Random(seed)
+    order = list(range(len(records)))
+    H = states[0].shape[-1]
+    while True:
+        rng.shuffle(order)
+        for i in range(0, len(order) - batch_size + 1, batch_size):
+            picked = order[i:i + batch_size]
+            seqs = [records[j]["prompt_ids"] + records[j]["reply_ids"] for j in picked]
+            width = max(map(len, seqs))
+            ids = torch.zeros(len(picked), width, dtype=torch.long)
+            mask = torch.zeros(len(picked), width, dtype=torch.long)
+            f = torch.zeros(len(picked), width, H)
+            loss_mask = torch.zeros(len(picked), width, dtype=torch.bool)
+            for b, (j, seq) in enumerate(zip(picked, seqs)):
+                n = len(seq)
+                ids[b, :n] = torch.tensor(seq)
+                mask[b, :n] = 1
+                f[b, :n] = states[j].float()
+                # f_j predicts token j + 1: the reply's tokens are predicted from the last prompt
+                # position to the second-to-last reply position.
+                loss_mask[b, len(records[j]["prompt_ids"]) - 1:n - 1] = True
+            prev = torch.cat([torch.zeros(len(picked), 1, H), f[:, :-1]], dim=1)
+            yield ids, mask, prev, f, loss_mask
+
+
+def eagle_loss(draft: EagleDraft, batch: tuple[torch.Tensor, ...], unroll: int,
+               cls_weight: float) -> tuple[torch.Tensor, list[float]]:
+    """The loss summed over `unroll` passes, and each pass's top-1 agreement with the target."""
+    ids, mask, prev, f, loss_mask = batch
+    f_at = f[loss_mask]  # [P, H]
+    target_p = torch.softmax(draft.logits(f_at), dim=-1)  # [P, K]: the target over K tokens
+    target_top = target_p.argmax(-1)
+    total, agreement = 0.0, []
+    for _ in range(unroll):
+        h = draft(ids, mask, prev)  # [B, T, H]
+        h_at = h[loss_mask]  # [P, H]
+        logits = draft.logits(h_at)
+        ce = -(target_p * F.log_softmax(logits, dim=-1)).sum(-1).mean()
+        total = total + F.smooth_l1_loss(h_at, f_at) + cls_weight * ce
+        agreement.append((logits.argmax(-1) == target_top).float().mean().item())
+        # The next pass reads the draft's own states, as drafting one level deeper does.
+        prev = torch.cat([torch.zeros_like(h[:, :1]), h[:, :-1].detach()], dim=1)
+    return total / unroll, agreement
+
+
+@torch.inference_mode()
+def agreement(draft: EagleDraft, records: Sequence[dict], states: Sequence[torch.Tensor],
+              depth: int = 3) -> list[float]:
+    """Top-1 agreement with the target's greedy reply tokens on held-out records at drafting
+    depth 1..`depth` (depth d reads the draft's own states d - 1 times over)."""
+    hits, total = [0] * depth, 0
+    for r, s in zip(records, states):
+        seq = r["prompt_ids"] + r["reply_ids"]
+        ids = torch.tensor([seq[:-1]])
+        f = s[:-1].float()[None]  # [1, T, H]
+        prev = torch.cat([torch.zeros_like(f[:, :1]), f[:, :-1]], dim=1)
+        first = len(r["prompt_ids"]) - 1
+        want = torch.tensor(r["reply_ids"])
+        for d in range(depth):
+            h = draft(ids, torch.ones_like(ids), prev)
+            pred = draft.token_ids[draft.logits(h[0, first:]).argmax(-1)]
+            hits[d] += int((pred == want).sum())
+            prev = torch.cat([torch.zeros_like(h[:, :1]), h[:, :-1]], dim=1)
+        total += len(want)
+    return [x / max(1, total) for x in hits]
