@@ -6,9 +6,9 @@
   "cpu" / "triton" / "reference"   that path alone.
 
 The reference (quant_reference.py) dequantizes to fp32 and runs F.linear; the Triton kernel and
-the C kernel with fp32 activations compute the same sums in other orders. The C kernel's default
-quantizes the activations to Q8 blocks first (`SPECSERVE_QUANT_ACT`, see quant_cpu.py), as
-llama.cpp does: quant_reference.quant_linear_q8_reference gives its exact results.
+the C kernel with fp32 activations (its default) compute the same sums in other orders. With
+`SPECSERVE_QUANT_ACT=q8` (see quant_cpu.py) the C kernel quantizes the activations to Q8 blocks
+first, as llama.cpp does: quant_reference.quant_linear_q8_reference gives its exact results.
 """
 
 from __future__ import annotations

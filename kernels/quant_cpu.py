@@ -5,12 +5,16 @@ PyTorch reference); tests pass `isa=` to run every path this CPU supports.
 
 `SPECSERVE_QUANT_ACT` picks how the kernel takes the activations (tests and benchmarks pass
 `act=`):
-  q8    (default) quantized once per call to Q8 blocks (int8 and an fp32 scale per 32 values),
-        integer dot products per block: the weights' bytes are the only wide stream, and 32
-        products cost two AVX2 instructions; model: quant_reference.quant_linear_q8_reference.
-  fp32  each weight converted to fp32 and multiplied by the fp32 activation: no activation
-        rounding (differs from the dequantize-then-matmul reference in summation order only),
-        at about twice the instructions per weight; kept for comparing the two numerics.
+  fp32  (default) each weight converted to fp32 and multiplied by the fp32 activation: no
+        activation rounding (differs from the dequantize-then-matmul reference in summation
+        order only): weight-only quantization.
+  q8    quantized once per call to Q8 blocks (int8 and an fp32 scale per 32 values), integer
+        dot products per block: the weights' bytes are the only wide stream, and 32 products
+        cost two AVX2 instructions (1.5-2.7x the fp32 path at one row); model:
+        quant_reference.quant_linear_q8_reference. Not the default: on SmolLM2-135M-Instruct
+        (the default model) the activation rounding turned the greedy answer to "What is the
+        capital of France?" from "The capital of France is Paris." into "L'Étoile, la
+        Marseillaise, ...".
 """
 
 from __future__ import annotations
@@ -26,8 +30,8 @@ ACTIVATIONS = ("q8", "fp32")
 
 
 def activation_format() -> str:
-    """SPECSERVE_QUANT_ACT (checked), default q8."""
-    act = os.environ.get("SPECSERVE_QUANT_ACT", "").strip().lower() or "q8"
+    """SPECSERVE_QUANT_ACT (checked), default fp32."""
+    act = os.environ.get("SPECSERVE_QUANT_ACT", "").strip().lower() or "fp32"
     if act not in ACTIVATIONS:
         raise ValueError(f"SPECSERVE_QUANT_ACT={act!r}: expected one of {', '.join(ACTIVATIONS)}")
     return act

@@ -187,9 +187,9 @@ def test_quant_linear_paths_agree():
 
 def test_activation_format_comes_from_the_environment(monkeypatch):
     monkeypatch.delenv("SPECSERVE_QUANT_ACT", raising=False)
-    assert quant_cpu.activation_format() == "q8"
-    monkeypatch.setenv("SPECSERVE_QUANT_ACT", "FP32")
     assert quant_cpu.activation_format() == "fp32"
+    monkeypatch.setenv("SPECSERVE_QUANT_ACT", "Q8")
+    assert quant_cpu.activation_format() == "q8"
     monkeypatch.setenv("SPECSERVE_QUANT_ACT", "int8")
     with pytest.raises(ValueError, match="SPECSERVE_QUANT_ACT='int8'"):
         quant_cpu.activation_format()
