@@ -115,7 +115,9 @@ int paged_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uint1
 #pragma omp atomic write
             failed = 1;
         }
-#pragma omp for schedule(static)
+        /* Round-robin: under a causal mask later rows see more positions, so contiguous
+         * halves of a prompt chunk would leave one thread with three quarters of the work. */
+#pragma omp for schedule(static, 1)
         for (int64_t item = 0; item < T * num_kv_heads; item++) {
             if (!ok) continue;
             const int64_t t = item / num_kv_heads, kv_head = item % num_kv_heads;
