@@ -31,7 +31,7 @@
 /* Register tile: TILE_MR activation rows x TILE_NR weight rows, TILE_MR x TILE_NR x DOT_U
  * accumulators plus the tile's activation steps in registers, weight steps as memory operands
  * (AVX2: 12 + 2 of 16 ymm, 13 loads per 12 multiply-adds; a 2 x 2 tile with its weight steps
- * in registers, 6 loads per 8, ran 15-25% slower: 8 accumulators barely cover the
+ * pinned in registers, 6 loads per 8, ran 15-25% slower: 8 accumulators barely cover the
  * multiply-add latency). A packed block is GEMM_NR weight rows. */
 #if defined(SPECSERVE_ISA_AVX512)
 #define TILE_MR 2
@@ -49,28 +49,16 @@
 #define KC_BYTES (24 * 1024) /* one packed K-block of GEMM_NR rows: L1 beside the x stream */
 #define PARALLEL_MIN_MACS (1 << 18)
 
-/* A loaded step kept in registers: GCC otherwise folds every use of a loaded value into a
- * memory operand (one load per multiply-add), and then loads, not multiply-adds, bound the
- * tile. On AVX2 the activations' raw bf16 load is pinned before the even/odd split for the
- * same reason. */
+/* An activation step: on AVX2 the raw bf16 load is pinned in a register before the even/odd
+ * split, or GCC loads it twice (the mask's operand folded into a second memory load), and
+ * loads, not multiply-adds, bound the 1 x 6 tile. */
 #if defined(SPECSERVE_ISA_AVX2)
-SIMD_INLINE dot_vec in_registers(dot_vec v) {
-    __asm__("" : "+x"(v.even), "+x"(v.odd));
-    return v;
-}
 SIMD_INLINE dot_vec load_x(const uint16_t *p) {
     __m256i raw = _mm256_loadu_si256((const __m256i *)p);
     __asm__("" : "+x"(raw));
     return dot_split(raw);
 }
-#elif defined(SPECSERVE_ISA_AVX512)
-SIMD_INLINE dot_vec in_registers(dot_vec v) {
-    __asm__("" : "+v"(v));
-    return v;
-}
-SIMD_INLINE dot_vec load_x(const uint16_t *p) { return dot_load(p); }
 #else
-SIMD_INLINE dot_vec in_registers(dot_vec v) { return v; }
 SIMD_INLINE dot_vec load_x(const uint16_t *p) { return dot_load(p); }
 #endif
 
@@ -98,7 +86,7 @@ static inline __attribute__((always_inline)) void tile(
             const dot_vec *ws = wp + (s + u - s0) * GEMM_NR + c;
 #pragma GCC unroll 8
             for (int r = 0; r < TILE_NR; r++) {
-                const dot_vec wv = MR > 1 ? in_registers(ws[r]) : ws[r];
+                const dot_vec wv = ws[r];
 #pragma GCC unroll 4
                 for (int i = 0; i < MR; i++) a[i][r][u] = dot_step(a[i][r][u], xv[i], wv);
             }
@@ -111,7 +99,7 @@ static inline __attribute__((always_inline)) void tile(
         const dot_vec *ws = wp + (s - s0) * GEMM_NR + c;
 #pragma GCC unroll 8
         for (int r = 0; r < TILE_NR; r++) {
-            const dot_vec wv = MR > 1 ? in_registers(ws[r]) : ws[r];
+            const dot_vec wv = ws[r];
 #pragma GCC unroll 4
             for (int i = 0; i < MR; i++) a[i][r][0] = dot_step(a[i][r][0], xv[i], wv);
         }
