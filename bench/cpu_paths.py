@@ -20,7 +20,12 @@ printed eval timing). Rounds are interleaved (the order rotates per prompt and r
 prompt takes its best round, so slow spells of a shared machine hit every row alike; ratios are
 against llama.cpp bf16 without a draft.
 
-Two more tables, also interleaved:
+Three more tables, also interleaved:
+- prompt-chunk products (``--gemm-rows`` rows, default 512) of the widened target's four
+  projection shapes, GFLOP/s per path: the blocked GEMM (``cpu_gemm.c``, what prompt chunks
+  take), the matrix-vector kernel (``cpu_gemv.c``, what they took before), and torch's fp32
+  matmul on weights already converted to fp32 and torch's bf16 ``F.linear``, best of
+  ``--repeats``.
 - verify cost: one target forward over a 5-token chain against a 1-token decode forward at the
   same context (100 cached tokens), median of `--repeats`; llama.cpp: ``llama-bench`` pp5 / pp1.
 - TTFT of a 512-token prompt: specserve ``generate(max_tokens=1)``, median of `--repeats`;
@@ -39,7 +44,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from specserve.kernels import cpu_build
+import torch
+import torch.nn.functional as F
+from specserve.kernels import cpu_build, cpu_linear
 
 from bench.compare import (
     Row,
@@ -177,6 +184,59 @@ def ttfts(llms: dict[str, LLM], prompt: list[int], repeats: int) -> dict[str, fl
     return {isa: statistics.median(v) for isa, v in times.items()}
 
 
+# Widened target projections: (name, N, K).
+PROJECTIONS = (("qkv", 1280, 1024), ("o", 1024, 1024), ("gate_up", 8192, 1024),
+               ("down", 1024, 4096))
+
+
+def product_runs(x: torch.Tensor, w: torch.Tensor, kernels: list[str]) -> dict:
+    """Zero-argument runs of x [rows, K] @ w [N, K].T per product."""
+    x32, w32 = x.float(), w.float()
+
+    def kernel(isa: str, fn):
+        def run():
+            use_isa(isa)
+            return fn(x, w)
+
+        return run
+
+    runs = {"torch fp32 mm": lambda: torch.mm(x32, w32.t()),
+            "torch bf16 F.linear": lambda: F.linear(x, w)}
+    for isa in kernels:
+        runs[f"{isa} gemm"] = kernel(isa, cpu_linear.gemm_bf16)
+        runs[f"{isa} gemv"] = kernel(isa, cpu_linear.gemv_bf16)
+    return runs
+
+
+def prefill_products(isas: list[str], rows: int, repeats: int) -> dict[str, dict[str, float]]:
+    """GFLOP/s per product and shape at `rows` activation rows, best of `repeats`, the
+    products interleaved so load on a shared machine hits them alike."""
+    kernels = [isa for isa in isas if isa != "torch"]
+    table: dict[str, dict[str, float]] = {}
+    for name, n, k in PROJECTIONS:
+        g = torch.Generator().manual_seed(n + k)
+        runs = product_runs(torch.randn(rows, k, generator=g).to(torch.bfloat16),
+                            torch.randn(n, k, generator=g).to(torch.bfloat16), kernels)
+        best = dict.fromkeys(runs, float("inf"))
+        for _ in range(repeats + 1):  # the first round warms up
+            for product, run in runs.items():
+                start = time.perf_counter()
+                run()
+                best[product] = min(best[product], time.perf_counter() - start)
+        for product, seconds in best.items():
+            table.setdefault(product, {})[name] = 2 * rows * n * k / seconds / 1e9
+    return table
+
+
+def format_products(table: dict[str, dict[str, float]], rows: int) -> str:
+    names = [name for name, _, _ in PROJECTIONS]
+    lines = [f"prompt-chunk products, {rows} rows, GFLOP/s (best of repeats; all threads)",
+             f"| product | {' | '.join(names)} |", "|---" * (len(names) + 1) + "|"]
+    for product, by_shape in table.items():
+        lines.append(f"| {product} | {' | '.join(f'{by_shape[n]:.1f}' for n in names)} |")
+    return "\n".join(lines)
+
+
 # ---- decode rows ----------------------------------------------------------------------------
 def measure_decode(runners: dict, groups: dict[str, list[str]], prompts, rounds: int
                    ) -> list[Row]:
@@ -242,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
                         / "specserve" / "gguf")
     parser.add_argument("--peer", type=Path, default=PEER, help="llamacpp-peer script")
     parser.add_argument("--no-llamacpp", action="store_true")
+    parser.add_argument("--gemm-rows", type=int, default=512, help="prompt-chunk product rows")
     add_common_args(parser)
     args = parser.parse_args(argv)
     setup(args)
@@ -278,14 +339,18 @@ def main(argv: list[str] | None = None) -> int:
     log("  TTFT")
     long_prompt = [3 + (7 * i) % 4000 for i in range(args.prompt_tokens)]
     ttft = ttfts(llms, long_prompt, args.repeats)
+    log("  prompt-chunk products")
+    products = prefill_products(isas, args.gemm_rows, args.repeats)
     bench = llama_bench(bin_dir, target_gguf, args.threads, args.repeats) if bin_dir else None
     print(format_report(rows, verify, ttft, bench, args.prompt_tokens))
+    print()
+    print(format_products(products, args.gemm_rows))
     if args.json:
         args.json.write_text(json.dumps({
             "environment": environment(args.threads), "cpu_flags": flags,
             "rows": [r.summary() for r in rows],
             "verify_s": {k: list(v) for k, v in verify.items()}, "ttft_s": ttft,
-            "llama_bench_tok_s": bench}, indent=2))
+            "llama_bench_tok_s": bench, "prefill_gflops": products}, indent=2))
     return 0
 
 

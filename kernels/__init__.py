@@ -2,11 +2,12 @@
 
 Every function takes `impl`:
   "auto"       Triton on CUDA tensors; on CPU the C kernels (cpu_build.py) where they apply
-               (paged_attention on bf16, see cpu_attention.py), the PyTorch reference otherwise.
+               (paged_attention and store_kv on bf16, see cpu_attention.py), the PyTorch
+               reference otherwise.
   "triton"     the Triton kernels; CPU tensors need TRITON_INTERPRET=1 (Triton's interpreter,
                read at each launch, so tests can switch it per test).
   "reference"  the PyTorch code in `reference.py`, on any device.
-  "cpu"        the C kernels (paged_attention only; bf16 CPU tensors).
+  "cpu"        the C kernels (paged_attention and store_kv; bf16 CPU tensors).
 
 The Triton modules are imported on first use, so CPU-only code never needs Triton.
 
@@ -56,6 +57,9 @@ def store_kv(
         from .kv_store import store_kv_triton
 
         store_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+    elif impl == "cpu" or (impl == "auto" and cpu_attention.store_kv_unsupported(
+            key, value, k_cache, v_cache) is None):
+        cpu_attention.store_kv_cpu(key, value, k_cache, v_cache, slot_mapping)
     else:
         store_kv_reference(key, value, k_cache, v_cache, slot_mapping)
 

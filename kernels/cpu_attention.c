@@ -13,23 +13,70 @@
  * it is the same whatever other rows share the call (row-count invariance): a chain's last row
  * verified with its draft equals the same token decoded alone over the same cache.
  *
- * One work item is one (query row, query head); on CPU a step's attention is small next to its
- * matmuls, and what the PyTorch reference costs there is per-op overhead (~0.2 ms per layer for
- * one decode token), which this removes.
+ * One work item is one (query row, KV head): its visible K and V rows are widened to fp32 once
+ * and read by the KV head's `group` query heads (grouped-query attention), and each head's
+ * weighted sum of V takes one pass over the positions (V_CHUNK output vectors in registers).
+ * Every score and output value is summed in the same order as one head at a time, dimension
+ * by dimension, would sum it. 2-core Zen 3, AVX2, the widened model's heads (16 query, 2 KV,
+ * 64 dims), one thread per layer: a 512-token prompt 57 -> 29 ms, a 5-token verify over 300
+ * cached positions 1.02 -> 0.33 ms (a quarter of what is left is expf).
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "cpu_simd.h"
 
 #define PARALLEL_MIN_MACS (1 << 20) /* q.k multiply-adds below which one thread does it all */
+#define V_CHUNK 8                   /* output vectors accumulated in registers per pass over V */
 
-/* q.k in fp32 with IEEE products (VDPBF16PS would flush denormals and round differently). */
-static inline float dot_bf16(const uint16_t *a, const uint16_t *b, int64_t D) {
+/* q.k in fp32 with IEEE products (VDPBF16PS would flush denormals and round differently), both
+ * already widened to fp32 (exact): head_dim / VF multiply-adds in order, then the reduction. */
+static inline float dot_f32(const float *a, const float *b, int64_t D) {
     vf acc = vf_zero();
-    for (int64_t d = 0; d < D; d += VF) acc = vf_fmadd(vf_load_bf16(a + d), vf_load_bf16(b + d), acc);
+    for (int64_t d = 0; d < D; d += VF) acc = vf_fmadd(vf_load(a + d), vf_load(b + d), acc);
     return vf_reduce_add(acc);
+}
+
+static inline void widen(const uint16_t *src, float *dst, int64_t D) {
+    for (int64_t d = 0; d < D; d += VF) vf_store(dst + d, vf_load_bf16(src + d));
+}
+
+/* One query head over n visible positions: kf, vf_rows [n][D] fp32 (widened K and V rows), qf
+ * [D] fp32; scores [n] scratch; out [D] bf16. */
+static void attend_head(const float *qf, const float *kf, const float *vrows, int64_t n,
+                        int64_t D, float scale, float *scores, uint16_t *out) {
+    float best = -INFINITY;
+    for (int64_t s = 0; s < n; s++) {
+        const float score = dot_f32(qf, kf + s * D, D) * scale;
+        scores[s] = score;
+        if (score > best) best = score;
+    }
+    float total = 0.0f;
+    for (int64_t s = 0; s < n; s++) total += scores[s] = expf(scores[s] - best);
+    /* Probabilities first, then their weighted sum, as the reference computes them. */
+    const float inv_total = 1.0f / total;
+    for (int64_t s = 0; s < n; s++) scores[s] *= inv_total;
+
+    /* Weighted sum of V: one pass over the positions per V_CHUNK output vectors, each output
+     * value summed over the positions in order. */
+    for (int64_t d0 = 0; d0 < D; d0 += V_CHUNK * VF) {
+        const int chunk = D - d0 < V_CHUNK * VF ? (int)((D - d0) / VF) : V_CHUNK;
+        vf acc[V_CHUNK];
+        for (int c = 0; c < V_CHUNK; c++) acc[c] = vf_zero();
+        for (int64_t s = 0; s < n; s++) {
+            const vf p = vf_set1(scores[s]);
+            const float *vv = vrows + s * D + d0;
+            if (chunk == V_CHUNK) {
+#pragma GCC unroll 8
+                for (int c = 0; c < V_CHUNK; c++) acc[c] = vf_fmadd(p, vf_load(vv + c * VF), acc[c]);
+            } else {
+                for (int c = 0; c < chunk; c++) acc[c] = vf_fmadd(p, vf_load(vv + c * VF), acc[c]);
+            }
+        }
+        for (int c = 0; c < chunk; c++) vf_store_bf16(out + d0 + c * VF, acc[c]);
+    }
 }
 
 /* Returns 0, or -1 when a scratch buffer could not be allocated. */
@@ -58,27 +105,31 @@ int paged_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uint1
 #pragma omp parallel num_threads(num_threads) if (parallel)
     {
         float *scores = malloc(sizeof(float) * (size_t)max_len);
-        int64_t *slots = malloc(sizeof(int64_t) * (size_t)max_len);
-        if (scores == NULL || slots == NULL) {
+        /* The visible K and V rows of one (query row, KV head), widened to fp32 once for the
+         * `group` query heads that read them. */
+        float *kf = aligned_alloc(64, ((size_t)max_len * D * sizeof(float) + 63) / 64 * 64);
+        float *vrows = aligned_alloc(64, ((size_t)max_len * D * sizeof(float) + 63) / 64 * 64);
+        float *qf = aligned_alloc(64, ((size_t)D * sizeof(float) + 63) / 64 * 64);
+        const int ok = scores && kf && vrows && qf;
+        if (!ok) {
 #pragma omp atomic write
             failed = 1;
         }
-#pragma omp for schedule(static)
-        for (int64_t item = 0; item < T * num_q_heads; item++) {
-            if (scores == NULL || slots == NULL) continue;
-            const int64_t t = item / num_q_heads, h = item % num_q_heads;
+        /* Round-robin: under a causal mask later rows see more positions, so contiguous
+         * halves of a prompt chunk would leave one thread with three quarters of the work. */
+#pragma omp for schedule(static, 1)
+        for (int64_t item = 0; item < T * num_kv_heads; item++) {
+            if (!ok) continue;
+            const int64_t t = item / num_kv_heads, kv_head = item % num_kv_heads;
             int64_t b = 0;
             while (query_start_loc[b + 1] <= t) b++;
             const int64_t i = t - query_start_loc[b];
             const int64_t ctx = context_lens[b];
             const int64_t n_new = query_start_loc[b + 1] - query_start_loc[b];
             const int32_t *table = block_tables + b * max_blocks;
-            const int64_t kv_head = h / group;
-            const uint16_t *qv = q + (t * num_q_heads + h) * D;
 
-            /* Visible positions and their scores. */
+            /* Visible positions, in position order. */
             int64_t n = 0;
-            float best = -INFINITY;
             for (int64_t p = 0; p < ctx + n_new; p++) {
                 if (p >= ctx) {
                     const int64_t j = p - ctx;
@@ -86,31 +137,40 @@ int paged_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uint1
                     if (!visible) continue;
                 }
                 const int64_t slot = (int64_t)table[p / block_size] * block_size + p % block_size;
-                const float s =
-                    dot_bf16(qv, k_cache + (slot * num_kv_heads + kv_head) * D, D) * scale;
-                slots[n] = slot;
-                scores[n++] = s;
-                if (s > best) best = s;
+                const int64_t at = (slot * num_kv_heads + kv_head) * D;
+                widen(k_cache + at, kf + n * D, D);
+                widen(v_cache + at, vrows + n * D, D);
+                n++;
             }
-            float total = 0.0f;
-            for (int64_t s = 0; s < n; s++) total += scores[s] = expf(scores[s] - best);
-            /* Probabilities first, then their weighted sum, as the reference computes them. */
-            const float inv_total = 1.0f / total;
-            for (int64_t s = 0; s < n; s++) scores[s] *= inv_total;
-
-            /* Weighted sum of V, VF dims at a time (head_dim is a multiple of 16). */
-            uint16_t *o = out + (t * num_q_heads + h) * D;
-            for (int64_t d = 0; d < D; d += VF) {
-                vf acc = vf_zero();
-                for (int64_t s = 0; s < n; s++) {
-                    const uint16_t *vv = v_cache + (slots[s] * num_kv_heads + kv_head) * D;
-                    acc = vf_fmadd(vf_set1(scores[s]), vf_load_bf16(vv + d), acc);
-                }
-                vf_store_bf16(o + d, acc);
+            for (int64_t g = 0; g < group; g++) {
+                const int64_t h = kv_head * group + g;
+                widen(q + (t * num_q_heads + h) * D, qf, D);
+                attend_head(qf, kf, vrows, n, D, scale, scores, out + (t * num_q_heads + h) * D);
             }
         }
         free(scores);
-        free(slots);
+        free(kf);
+        free(vrows);
+        free(qf);
     }
     return failed ? -1 : 0;
+}
+
+/* This step's K and V into their cache slots, as store_kv_reference: key, value [T] rows of
+ * row_len bf16 values, row_stride apart (views into the fused qkv projection output); caches
+ * [num_slots, row_len] bf16; slot_mapping [T], negative = padding (skipped). Returns -1,
+ * writing nothing, when a slot is past the cache. */
+int store_kv_bf16(const uint16_t *key, const uint16_t *value, int64_t row_stride,
+                  uint16_t *k_cache, uint16_t *v_cache, const int64_t *slot_mapping, int64_t T,
+                  int64_t row_len, int64_t num_slots) {
+    for (int64_t t = 0; t < T; t++)
+        if (slot_mapping[t] >= num_slots) return -1;
+    const size_t bytes = (size_t)row_len * sizeof(uint16_t);
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t slot = slot_mapping[t];
+        if (slot < 0) continue;
+        memcpy(k_cache + slot * row_len, key + t * row_stride, bytes);
+        memcpy(v_cache + slot * row_len, value + t * row_stride, bytes);
+    }
+    return 0;
 }

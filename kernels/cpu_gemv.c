@@ -1,5 +1,5 @@
 /* bf16 matrix products on CPU: decode and verify steps (a few activation rows), and prompt
- * chunks where torch has no fast bf16 GEMM (see cpu_linear.py).
+ * chunks up to cpu_gemm.c's row threshold (see cpu_linear.py).
  *
  * y[m, n] = sum_k x[m, k] * w[n, k]   (x [M, K] bf16, w [N, K] bf16 row-major, y [M, N] fp32)
  *
@@ -13,9 +13,11 @@
  * per weight row.
  *
  * Row-count invariance: every output element is summed in the same order whatever M, NR or MR
- * are (k steps dealt round-robin to DOT_U accumulators, leftover whole steps and the K tail to
- * the first, then the accumulators added in order), so a row's results are bit-identical
- * whether it is computed alone or among other rows. The order depends only on K and the ISA.
+ * are (cpu_dot_order.h: k steps dealt round-robin to DOT_U accumulators, leftover whole steps
+ * and the K tail to the first, then the accumulators added in order), the order the blocked
+ * GEMM for prompt chunks (cpu_gemm.c) uses too, so a row's results are bit-identical whether it
+ * is computed alone or among other rows, by either kernel. The order depends only on K and the
+ * ISA.
  *
  * Two shapes:
  * - one or two activation rows, or up to SEQUENTIAL_ROWS rows of fewer than WIDE_K features:
@@ -36,24 +38,22 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "cpu_dot_order.h"
 #include "cpu_simd.h"
 
 /* Blocking per ISA, from its register file: AVX-512 has 32 vector registers, AVX2 16 (a dot_acc
- * is two), portable C 16 SSE-sized ones (a dot_acc is two). DOT_U 2 where one accumulator chain
- * per output would leave a single row latency-bound. AVX2 measured on a 2-core Zen 3, from
- * cache, per core: 1 row 21 GFLOP/s, 5 rows 66 (MR_NARROW 4, so 3 + 2: 53). */
+ * is two), portable C 16 SSE-sized ones (a dot_acc is two); DOT_U: cpu_dot_order.h. AVX2
+ * measured on a 2-core Zen 3, from cache, per core: 1 row 21 GFLOP/s, 5 rows 66 (MR_NARROW 4,
+ * so 3 + 2: 53). */
 #if defined(SPECSERVE_ISA_AVX512)
-#define DOT_U 2
 #define WIDE_NR 4
 #define MR_NARROW 6 /* MR with NR = 1 */
 #define MR_WIDE 3   /* MR with NR = WIDE_NR */
 #elif defined(SPECSERVE_ISA_AVX2)
-#define DOT_U 1
 #define WIDE_NR 2
 #define MR_NARROW 6
 #define MR_WIDE 3
 #else
-#define DOT_U 2
 #define WIDE_NR 2
 #define MR_NARROW 3
 #define MR_WIDE 1
@@ -62,28 +62,6 @@
 #define WIDE_K 2048
 #define X_BLOCK_BYTES (256 * 1024)
 #define PARALLEL_MIN_MACS (1 << 18)
-
-/* Where results go: y fp32, or bf16 (rounded to nearest even) with the bias (bf16, may be
- * NULL) added first in fp32, as F.linear on bf16 tensors computes it. Pointers are advanced
- * to the block being written. */
-typedef struct {
-    float *f32;
-    uint16_t *bf16;
-    const uint16_t *bias;
-} Output;
-
-static inline Output output_at(Output o, int64_t y_offset, int64_t bias_offset) {
-    if (o.f32) o.f32 += y_offset;
-    if (o.bf16) o.bf16 += y_offset;
-    if (o.bias) o.bias += bias_offset;
-    return o;
-}
-
-static inline void store(Output o, int64_t y_index, int64_t column, float value) {
-    if (o.bias) value += bf16_to_f32(o.bias[column]);
-    if (o.bf16) o.bf16[y_index] = f32_to_bf16(value);
-    else o.f32[y_index] = value;
-}
 
 /* x [M, K] in dot_vec form, each row zero-padded to whole steps: converted once per call
  * (AVX2 and portable widen bf16 to fp32 here, not once per weight row). */

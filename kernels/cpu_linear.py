@@ -2,14 +2,17 @@
 
 At batch 1 a decode step is a chain of matrix-vector products whose cost is reading the
 weights, and torch's bf16 `F.linear` reads them at a fraction of the memory bandwidth. On CPU
-`linear` runs the C kernel in `cpu_gemv.c` (built by `cpu_build.py` for the selected ISA)
-instead. Anything else (no kernel library, fp32 weights, many rows on avx512, CUDA tensors) takes
+`linear` runs the C kernels (built by `cpu_build.py` for the selected ISA) instead: `cpu_gemv.c`
+for a few rows (decode, verify), the blocked GEMM `cpu_gemm.c` from GEMM_MIN_ROWS rows (prompt
+chunks). Anything else (no kernel library, fp32 weights, many rows on avx512, CUDA tensors) takes
 `F.linear`, which is also the reference the tests compare against.
 
 Row-count invariance: on the C path a row's outputs are bit-identical alone or among any number
-of rows the kernel takes (see cpu_gemv.c; on avx512 up to MAX_ROWS, then F.linear). `F.linear`
-promises no such thing: oneDNN picks its blocking and reduction order from the shape, so on the
-torch path a row's last bits may depend on how many rows share the call.
+of rows the kernels take (on avx512 up to MAX_ROWS, then F.linear): both kernels sum every
+output in the one order of cpu_dot_order.h, so a decode row gives the same bits whether its
+forward is a lone decode step, a verify chain or shares a prompt chunk's forward past the GEMM
+threshold. `F.linear` promises no such thing: oneDNN picks its blocking and reduction order from
+the shape, so on the torch path a row's last bits may depend on how many rows share the call.
 """
 
 from __future__ import annotations
@@ -23,10 +26,14 @@ from . import cpu_build
 # GEMM is faster for prompt chunks (2-core AVX-512 BF16 machine: level at 32 rows, 15% faster
 # at 48). Without it, torch's bf16 matmul is the slow part of prefill (2-core Zen 3, one layer's
 # four products: 3 GFLOP/s at 48 and 128 rows, where the kernel ran 9-12 under the same load;
-# at 512 rows the kernel runs 51 GFLOP/s per core of CPU time, torch's fp32 GEMM with the
-# conversions 62), so the kernel takes every row count and stays row-count invariant.
+# at 512 rows the blocked GEMM runs about as fast as torch's fp32 GEMM on weights already
+# converted to fp32), so the kernels take every row count and stay row-count invariant.
 MAX_ROWS = {"avx512": 32}
 INVARIANT_ROWS = 32  # at least this many rows are row-count invariant on every C path
+# Rows from which the blocked GEMM beats the matrix-vector kernel (2-core Zen 3, AVX2, the
+# widened model's four products, one thread: 0.85x at 8 rows, 1.1x at 16, 1.2x at 32, 1.25x at
+# 512). Both give the same bits, so this is a speed choice only.
+GEMM_MIN_ROWS = 16
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
@@ -45,29 +52,41 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=torch.bfloat16)  # [..., N]
     bias = None if bias is None else bias.contiguous()  # kept alive through the call
     # One pass: products, bias and the rounding to bf16 all in the kernel.
-    _checked(lib.gemv_bf16(x2.data_ptr(), weight.data_ptr(),
-                           None if bias is None else bias.data_ptr(), None, out.data_ptr(),
-                           rows, weight.shape[0], x.shape[-1], torch.get_num_threads()))
+    kernel = "gemm_bf16" if rows >= GEMM_MIN_ROWS else "gemv_bf16"
+    _checked(kernel, getattr(lib, kernel)(
+        x2.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), None,
+        out.data_ptr(), rows, weight.shape[0], x.shape[-1], torch.get_num_threads()))
     return out
 
 
 def gemv_bf16(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [M, K] bf16, weight [N, K] bf16 -> x @ weight.T [M, N] in fp32 (the C kernel)."""
+    """x [M, K] bf16, weight [N, K] bf16 -> x @ weight.T [M, N] in fp32 (the C kernel for a
+    few rows)."""
+    return _fp32_product("gemv_bf16", x, weight)
+
+
+def gemm_bf16(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] bf16, weight [N, K] bf16 -> x @ weight.T [M, N] in fp32 (the blocked C kernel
+    for prompt chunks; bit-identical to gemv_bf16)."""
+    return _fp32_product("gemm_bf16", x, weight)
+
+
+def _fp32_product(kernel: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     lib = _library()
     if lib is None:
         raise RuntimeError("no CPU kernel library (SPECSERVE_CPU_ISA=torch or no C compiler)")
-    x = x.contiguous()
+    x, weight = x.contiguous(), weight.contiguous()
     _check_features(x, weight)
     (m, k), n = x.shape, weight.shape[0]
     out = torch.empty(m, n, dtype=torch.float32)
-    _checked(lib.gemv_bf16(x.data_ptr(), weight.data_ptr(), None, out.data_ptr(), None, m, n, k,
-                           torch.get_num_threads()))
+    _checked(kernel, getattr(lib, kernel)(x.data_ptr(), weight.data_ptr(), None, out.data_ptr(),
+                                          None, m, n, k, torch.get_num_threads()))
     return out
 
 
-def _checked(status: int) -> None:
+def _checked(kernel: str, status: int) -> None:
     if status != 0:
-        raise MemoryError("gemv_bf16: could not allocate its activation buffer")
+        raise MemoryError(f"{kernel}: could not allocate its buffers")
 
 
 def _check_features(x: torch.Tensor, weight: torch.Tensor) -> None:

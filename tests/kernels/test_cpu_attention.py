@@ -96,3 +96,26 @@ def test_a_chain_row_equals_the_same_token_decoded_alone(num_q_heads, num_kv_hea
             torch.tensor([0, 1], dtype=torch.int32), torch.tensor([40 + i], dtype=torch.int32),
             None, chain.scale, 1, impl="cpu")
         assert torch.equal(alone[0], together[i]), f"chain row {i}"
+
+
+def test_store_kv_matches_the_reference_on_views_of_the_fused_projection():
+    from specserve.kernels import store_kv
+
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(6, 4 * 16 + 2 * 2 * 16, generator=g).to(torch.bfloat16)  # [T, q + k + v]
+    k = qkv[:, 64:96].view(6, 2, 16)  # [T, Hkv, D], rows 96 values apart
+    v = qkv[:, 96:].view(6, 2, 16)
+    slots = torch.tensor([5, -1, 17, 0, 40, 33])  # -1: padding, skipped
+    caches = {impl: (torch.full((3, 16, 2, 16), float("nan"), dtype=torch.bfloat16),
+                     torch.full((3, 16, 2, 16), float("nan"), dtype=torch.bfloat16))
+              for impl in ("cpu", "reference", "auto")}
+    for impl, (kc, vc) in caches.items():
+        store_kv(k, v, kc, vc, slots, impl=impl)
+    for impl in ("cpu", "auto"):
+        for got, want in zip(caches[impl], caches["reference"], strict=True):
+            assert torch.equal(got.isnan(), want.isnan())
+            assert torch.equal(got.nan_to_num(), want.nan_to_num())
+    with pytest.raises(IndexError, match="past the cache"):
+        cpu_attention.store_kv_cpu(k, v, *caches["cpu"], torch.tensor([0, 1, 2, 3, 4, 48]))
+    with pytest.raises(ValueError, match="bf16"):
+        cpu_attention.store_kv_cpu(k.float(), v.float(), *caches["cpu"], slots)

@@ -1,5 +1,6 @@
-"""The CPU matrix-vector kernel (kernels/cpu_gemv.c) against its reference, F.linear in fp32,
-on every ISA path this CPU runs (the `cpu_isa` fixture)."""
+"""The CPU matrix-vector kernel (kernels/cpu_gemv.c) and the blocked GEMM (kernels/cpu_gemm.c)
+against their reference, F.linear in fp32, and against each other (bit for bit), on every ISA
+path this CPU runs (the `cpu_isa` fixture)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,21 @@ def test_gemv_matches_fp32_reference(cpu_isa: str, m: int, n: int, k: int):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * k ** 0.5)
 
 
+@pytest.mark.parametrize("m", [1, 2, 5, 16, 33, 100])
+@pytest.mark.parametrize("n,k", [(1, 32), (5, 1000), (77, 1024), (13, 3000), (130, 4864),
+                                 (9, 2048), (3, 7), (50, 17)])
+def test_gemm_matches_fp32_reference_and_the_gemv_bit_for_bit(cpu_isa: str, m: int, n: int,
+                                                               k: int):
+    """Odd shapes: ragged weight tiles (n not a multiple of the tile), K tails, K longer than
+    one packed K-block (3000, 4864), row counts not a multiple of the register tile."""
+    x, w = _bf16(m, k, seed=m + 1), _bf16(n, k, seed=n + k + 1)
+    got = cpu_linear.gemm_bf16(x, w)
+    assert got.dtype == torch.float32 and got.shape == (m, n)
+    torch.testing.assert_close(got, F.linear(x.float(), w.float()), rtol=1e-5,
+                               atol=1e-5 * k ** 0.5)
+    assert torch.equal(got, cpu_linear.gemv_bf16(x, w))
+
+
 @pytest.mark.parametrize("n,k", [(77, 1024), (130, 4864), (9, 2048), (33, 1000), (5, 7)])
 def test_a_row_is_bit_identical_alone_or_among_other_rows(cpu_isa: str, n: int, k: int):
     """Fixed reduction order per output element: a row's results do not depend on how many
@@ -43,33 +59,58 @@ def test_a_row_is_bit_identical_alone_or_among_other_rows(cpu_isa: str, n: int, 
         torch.set_num_threads(threads)
     long_chunk = torch.cat([x] * 40)  # [1280, k]: several blocks of rows
     assert torch.equal(cpu_linear.gemv_bf16(long_chunk, w)[-32:], alone)
-    # The layer path (bias, bf16 rounding in the kernel) keeps it too.
+    # The blocked GEMM (prompt chunks) sums in the same order, on any thread count.
+    assert torch.equal(cpu_linear.gemm_bf16(long_chunk, w)[-32:], alone)
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(cpu_linear.gemm_bf16(long_chunk[:100], w),
+                           alone[torch.arange(100) % len(x)])
+    finally:
+        torch.set_num_threads(threads)
+    # The layer path (bias, bf16 rounding in the kernel) keeps it too, on either side of the
+    # row count where it switches from the matrix-vector kernel to the GEMM.
     b = _bf16(n, seed=7)
-    one = torch.cat([cpu_linear.linear(x[j : j + 1], w, b) for j in range(16)])
-    assert torch.equal(cpu_linear.linear(x[:16], w, b), one)
+    one = torch.cat([cpu_linear.linear(x[j : j + 1], w, b) for j in range(len(x))])
+    for m in (cpu_linear.GEMM_MIN_ROWS - 1, cpu_linear.GEMM_MIN_ROWS, len(x)):
+        assert torch.equal(cpu_linear.linear(x[:m], w, b), one[:m])
 
 
 class RecordingLibrary:
-    """Stands in for the kernel library: records gemv calls, forwards them (or fails)."""
+    """Stands in for the kernel library: records gemv and gemm calls, forwards them (or
+    fails)."""
 
     def __init__(self, real, allowed: bool = True) -> None:
-        self.real, self.allowed, self.calls = real, allowed, 0
+        self.real, self.allowed = real, allowed
+        self.kernels: list[str] = []
+
+    @property
+    def calls(self) -> int:
+        return len(self.kernels)
 
     def gemv_bf16(self, *args):
+        return self._call("gemv_bf16", *args)
+
+    def gemm_bf16(self, *args):
+        return self._call("gemm_bf16", *args)
+
+    def _call(self, kernel: str, *args):
         assert self.allowed, "the kernel was used"
-        self.calls += 1
-        return self.real.gemv_bf16(*args)
+        self.kernels.append(kernel)
+        return getattr(self.real, kernel)(*args)
 
 
 @pytest.mark.parametrize("with_bias", [False, True])
-@pytest.mark.parametrize("lead,n", [((2, 3), 48), ((3, 5), 50)], ids=["6x48", "15x50-ragged"])
+@pytest.mark.parametrize("lead,n", [((2, 3), 48), ((3, 5), 50), ((17,), 50)],
+                         ids=["6x48", "15x50-ragged", "17x50-gemm"])
 def test_linear_takes_the_kernel_for_few_bf16_rows(cpu_isa, monkeypatch, with_bias, lead, n):
     x, w = _bf16(*lead, 64, seed=1), _bf16(n, 64, seed=2)
     b = _bf16(n, seed=3) if with_bias else None
     recorder = RecordingLibrary(cpu_linear._library())
     monkeypatch.setattr(cpu_linear, "_library", lambda: recorder)
     out = cpu_linear.linear(x, w, b)
-    assert recorder.calls == 1 and out.dtype == torch.bfloat16 and out.shape == (*lead, n)
+    want_kernel = "gemm_bf16" if x[..., 0].numel() >= cpu_linear.GEMM_MIN_ROWS else "gemv_bf16"
+    assert recorder.kernels == [want_kernel]
+    assert out.dtype == torch.bfloat16 and out.shape == (*lead, n)
     # The reference rounds once, from fp32 (products + bias), like the kernel.
     want32 = F.linear(x.float(), w.float()) + (b.float() if with_bias else 0)
     # fp32 sums in another order: at most one bf16 rounding step apart.
@@ -84,7 +125,7 @@ def test_prompt_chunks_take_the_kernel_where_torch_has_no_native_bf16_gemm(cpu_i
     monkeypatch.setattr(cpu_linear, "_library", lambda: recorder)
     out = cpu_linear.linear(x, w)
     limit = cpu_linear.MAX_ROWS.get(cpu_isa)
-    assert recorder.calls == (0 if limit is not None and len(x) > limit else 1)
+    assert recorder.kernels == ([] if limit is not None and len(x) > limit else ["gemm_bf16"])
     want = F.linear(x.float(), w.float()).to(torch.bfloat16)
     torch.testing.assert_close(out.float(), want.float(), rtol=2 ** -7, atol=1e-6)
 

@@ -1,0 +1,180 @@
+/* Blocked bf16 GEMM on CPU for prompt chunks (many activation rows): the same products and
+ * the same summation order as cpu_gemv.c (cpu_dot_order.h), blocked for caches instead of
+ * for reading the weights once.
+ *
+ * y[m, n] = sum_k x[m, k] * w[n, k]   (x [M, K] bf16, w [N, K] bf16 row-major, y [M, N])
+ *
+ * Threads split w into tiles of GEMM_NR rows. A thread packs its tile one K-block at a time
+ * (KC_BYTES of dot steps: on AVX2 bf16 widened to fp32 even/odd lanes, once per tile and
+ * block instead of once per activation row), so the packed block stays in L1 while every
+ * activation row streams past it, TILE_MR rows against TILE_NR weight rows at a time with
+ * their DOT_U accumulators per output in registers (on AVX2 one row's dot step feeds six
+ * outputs). Across K-blocks a row's accumulators wait in a per-thread buffer
+ * ([M][GEMM_NR][DOT_U] dot_acc, in L2). AVX2, 2-core Zen 3, the widened model's products at
+ * 512 rows, one thread: 52-65 GFLOP/s where the matrix-vector kernel ran 42-49 and torch's
+ * fp32 GEMM (weights already fp32) 55-68, side by side under the same load.
+ *
+ * Why dot steps and not an outer-product micro-kernel (broadcast x, vectors over n): each
+ * output is summed exactly as the matrix-vector kernel sums it, so a row gives bit-identical
+ * results through either kernel, alone or among any number of rows (row-count invariance
+ * across the row threshold where cpu_linear.py switches kernels).
+ *
+ * Built and loaded by cpu_build.py; its PyTorch reference is F.linear in fp32.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_dot_order.h"
+#include "cpu_simd.h"
+
+/* Register tile: TILE_MR activation rows x TILE_NR weight rows, TILE_MR x TILE_NR x DOT_U
+ * accumulators plus the tile's activation steps in registers, weight steps as memory operands
+ * (AVX2: 12 + 2 of 16 ymm, 13 loads per 12 multiply-adds; a 2 x 2 tile with its weight steps
+ * pinned in registers, 6 loads per 8, ran 15-25% slower: 8 accumulators barely cover the
+ * multiply-add latency). A packed block is GEMM_NR weight rows. */
+#if defined(SPECSERVE_ISA_AVX512)
+#define TILE_MR 2
+#define TILE_NR 4
+#define GEMM_NR 8
+#elif defined(SPECSERVE_ISA_AVX2)
+#define TILE_MR 1
+#define TILE_NR 6
+#define GEMM_NR 6
+#else
+#define TILE_MR 1
+#define TILE_NR 2
+#define GEMM_NR 4
+#endif
+#define KC_BYTES (24 * 1024) /* one packed K-block of GEMM_NR rows: L1 beside the x stream */
+#define PARALLEL_MIN_MACS (1 << 18)
+
+/* An activation step: on AVX2 the raw bf16 load is pinned in a register before the even/odd
+ * split, or GCC loads it twice (the mask's operand folded into a second memory load), and
+ * loads, not multiply-adds, bound the 1 x 6 tile. */
+#if defined(SPECSERVE_ISA_AVX2)
+SIMD_INLINE dot_vec load_x(const uint16_t *p) {
+    __m256i raw = _mm256_loadu_si256((const __m256i *)p);
+    __asm__("" : "+x"(raw));
+    return dot_split(raw);
+}
+#else
+SIMD_INLINE dot_vec load_x(const uint16_t *p) { return dot_load(p); }
+#endif
+
+/* Steps [s0, s1) of MR activation rows (x, row stride K) against weight rows [c, c + TILE_NR)
+ * of a packed K-block (wp [s1 - s0][GEMM_NR]); acc[i][c + r] the accumulators of row i and
+ * weight row c + r, in and out. s0 is a multiple of DOT_U. */
+static inline __attribute__((always_inline)) void tile(
+    const int MR, const uint16_t *x, const dot_vec *wp, int c, dot_acc (*acc)[GEMM_NR][DOT_U],
+    int64_t s0, int64_t s1, int64_t main_steps, int64_t K) {
+    dot_acc a[TILE_MR][TILE_NR][DOT_U];
+#pragma GCC unroll 4
+    for (int i = 0; i < MR; i++)
+#pragma GCC unroll 8
+        for (int r = 0; r < TILE_NR; r++)
+#pragma GCC unroll 4
+            for (int u = 0; u < DOT_U; u++) a[i][r][u] = acc[i][c + r][u];
+    const int64_t round_end = s1 < main_steps ? s1 : main_steps;
+    int64_t s = s0;
+    for (; s < round_end; s += DOT_U) {
+#pragma GCC unroll 4
+        for (int u = 0; u < DOT_U; u++) {
+            dot_vec xv[TILE_MR];
+#pragma GCC unroll 4
+            for (int i = 0; i < MR; i++) xv[i] = load_x(x + i * K + (s + u) * DOT_K);
+            const dot_vec *ws = wp + (s + u - s0) * GEMM_NR + c;
+#pragma GCC unroll 8
+            for (int r = 0; r < TILE_NR; r++) {
+                const dot_vec wv = ws[r];
+#pragma GCC unroll 4
+                for (int i = 0; i < MR; i++) a[i][r][u] = dot_step(a[i][r][u], xv[i], wv);
+            }
+        }
+    }
+    for (; s < s1; s++) { /* leftover whole steps, then the tail, into accumulator 0 */
+        dot_vec xv[TILE_MR];
+#pragma GCC unroll 4
+        for (int i = 0; i < MR; i++) xv[i] = dot_load_step(x + i * K, s, K);
+        const dot_vec *ws = wp + (s - s0) * GEMM_NR + c;
+#pragma GCC unroll 8
+        for (int r = 0; r < TILE_NR; r++) {
+            const dot_vec wv = ws[r];
+#pragma GCC unroll 4
+            for (int i = 0; i < MR; i++) a[i][r][0] = dot_step(a[i][r][0], xv[i], wv);
+        }
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < MR; i++)
+#pragma GCC unroll 8
+        for (int r = 0; r < TILE_NR; r++)
+#pragma GCC unroll 4
+            for (int u = 0; u < DOT_U; u++) acc[i][c + r][u] = a[i][r][u];
+}
+
+/* Every activation row against one packed K-block: row groups of TILE_MR (the last may be
+ * smaller), each against the block's TILE_NR-row tiles while its steps stay in L1. */
+static void block_rows(const uint16_t *x, const dot_vec *wp, dot_acc (*acc)[GEMM_NR][DOT_U],
+                       int64_t M, int64_t s0, int64_t s1, int64_t main_steps, int64_t K) {
+    int64_t m = 0;
+    for (; m + TILE_MR <= M; m += TILE_MR)
+        for (int c = 0; c < GEMM_NR; c += TILE_NR)
+            tile(TILE_MR, x + m * K, wp, c, acc + m, s0, s1, main_steps, K);
+    for (; m < M; m++)
+        for (int c = 0; c < GEMM_NR; c += TILE_NR)
+            tile(1, x + m * K, wp, c, acc + m, s0, s1, main_steps, K);
+}
+
+/* Weight rows [n0, n0 + nr) as dot steps [s0, s1), interleaved by step: wp[(s - s0) * GEMM_NR
+ * + r]; rows past nr (the ragged edge of w) are zero and their outputs never stored. */
+static void pack(const uint16_t *w, int64_t K, int64_t n0, int nr, int64_t s0, int64_t s1,
+                 dot_vec *wp) {
+    for (int64_t s = s0; s < s1; s++)
+        for (int r = 0; r < GEMM_NR; r++) {
+            dot_vec *slot = wp + (s - s0) * GEMM_NR + r;
+            if (r < nr) *slot = dot_load_step(w + (n0 + r) * K, s, K);
+            else memset(slot, 0, sizeof *slot);
+        }
+}
+
+/* y_f32 or y_bf16 (the other NULL) [M, N]; bias [N] bf16 or NULL. Returns 0, or -1 when a
+ * thread's buffers could not be allocated. */
+int gemm_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, float *y_f32,
+              uint16_t *y_bf16, int64_t M, int64_t N, int64_t K, int num_threads) {
+    const Output y = {y_f32, y_bf16, bias};
+    const int64_t steps = (K + DOT_K - 1) / DOT_K, main_steps = DOT_MAIN_STEPS(K);
+    int64_t kc = KC_BYTES / (GEMM_NR * (int64_t)sizeof(dot_vec)) / DOT_U * DOT_U;
+    if (kc >= steps) kc = steps;
+    const int64_t tiles = (N + GEMM_NR - 1) / GEMM_NR;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) if (M * N * K >= PARALLEL_MIN_MACS)
+    {
+        dot_vec *wp = aligned_alloc(64, ((size_t)kc * GEMM_NR * sizeof(dot_vec) + 63) / 64 * 64);
+        dot_acc(*acc)[GEMM_NR][DOT_U] = aligned_alloc(
+            64, ((size_t)M * GEMM_NR * DOT_U * sizeof(dot_acc) + 63) / 64 * 64);
+        if (wp == NULL || acc == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) {
+            if (wp == NULL || acc == NULL) continue;
+            const int64_t n0 = t * GEMM_NR;
+            const int nr = N - n0 < GEMM_NR ? (int)(N - n0) : GEMM_NR;
+            for (int64_t m = 0; m < M; m++)
+                for (int r = 0; r < GEMM_NR; r++)
+                    for (int u = 0; u < DOT_U; u++) acc[m][r][u] = dot_zero();
+            for (int64_t s0 = 0; s0 < steps; s0 += kc) {
+                const int64_t s1 = steps - s0 < kc ? steps : s0 + kc;
+                pack(w, K, n0, nr, s0, s1, wp);
+                block_rows(x, wp, acc, M, s0, s1, main_steps, K);
+            }
+            const Output ys = output_at(y, n0, n0);
+            for (int64_t m = 0; m < M; m++)
+                for (int r = 0; r < nr; r++) store(ys, m * N + r, r, dot_total(acc[m][r]));
+        }
+        free(wp);
+        free(acc);
+    }
+    return failed ? -1 : 0;
+}
