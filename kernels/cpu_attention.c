@@ -39,14 +39,20 @@ static inline float dot_f32(const float *a, const float *b, int64_t D) {
     return vf_reduce_add(acc);
 }
 
-static inline void widen(const uint16_t *src, float *dst, int64_t D) {
-    for (int64_t d = 0; d < D; d += VF) vf_store(dst + d, vf_load_bf16(src + d));
+/* One row of D values into fp32: bf16 widened (exact), or fp32 copied. */
+static inline void widen(const void *src, int is_f32, float *dst, int64_t D) {
+    if (is_f32) {
+        memcpy(dst, src, (size_t)D * sizeof(float));
+        return;
+    }
+    const uint16_t *bf = src;
+    for (int64_t d = 0; d < D; d += VF) vf_store(dst + d, vf_load_bf16(bf + d));
 }
 
 /* One query head over n visible positions: kf, vf_rows [n][D] fp32 (widened K and V rows), qf
- * [D] fp32; scores [n] scratch; out [D] bf16. */
+ * [D] fp32; scores [n] scratch; out [D] bf16, or fp32 when is_f32. */
 static void attend_head(const float *qf, const float *kf, const float *vrows, int64_t n,
-                        int64_t D, float scale, float *scores, uint16_t *out) {
+                        int64_t D, float scale, float *scores, void *out, int is_f32) {
     float best = -INFINITY;
     for (int64_t s = 0; s < n; s++) {
         const float score = dot_f32(qf, kf + s * D, D) * scale;
@@ -75,17 +81,27 @@ static void attend_head(const float *qf, const float *kf, const float *vrows, in
                 for (int c = 0; c < chunk; c++) acc[c] = vf_fmadd(p, vf_load(vv + c * VF), acc[c]);
             }
         }
-        for (int c = 0; c < chunk; c++) vf_store_bf16(out + d0 + c * VF, acc[c]);
+        for (int c = 0; c < chunk; c++) {
+            if (is_f32)
+                vf_store((float *)out + d0 + c * VF, acc[c]);
+            else
+                vf_store_bf16((uint16_t *)out + d0 + c * VF, acc[c]);
+        }
     }
 }
 
-/* Returns 0, or -1 when a scratch buffer could not be allocated. */
-int paged_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
-                         const int32_t *block_tables, int64_t max_blocks,
-                         const int32_t *query_start_loc, const int32_t *context_lens,
-                         const uint8_t *local_mask, int64_t max_query_len, int64_t num_requests,
-                         int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
-                         int64_t block_size, float scale, uint16_t *out, int num_threads) {
+/* q, caches and out all bf16 (is_f32 = 0) or all fp32 (is_f32 = 1); the arithmetic is the
+ * same fp32 either way. Returns 0, or -1 when a scratch buffer could not be allocated. */
+static int paged_attention(const void *q, const void *k_cache, const void *v_cache, int is_f32,
+                           const int32_t *block_tables, int64_t max_blocks,
+                           const int32_t *query_start_loc, const int32_t *context_lens,
+                           const uint8_t *local_mask, int64_t max_query_len,
+                           int64_t num_requests, int64_t num_q_heads, int64_t num_kv_heads,
+                           int64_t head_dim, int64_t block_size, float scale, void *out,
+                           int num_threads) {
+    const size_t elem = is_f32 ? sizeof(float) : sizeof(uint16_t);
+    const char *qb = q, *kb = k_cache, *vb = v_cache;
+    char *ob = out;
     const int64_t T = query_start_loc[num_requests];
     int64_t max_len = 1; /* positions any query can see: the scratch buffers' size */
     int64_t work = 0;    /* q.k products, at most */
@@ -138,14 +154,15 @@ int paged_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uint1
                 }
                 const int64_t slot = (int64_t)table[p / block_size] * block_size + p % block_size;
                 const int64_t at = (slot * num_kv_heads + kv_head) * D;
-                widen(k_cache + at, kf + n * D, D);
-                widen(v_cache + at, vrows + n * D, D);
+                widen(kb + at * elem, is_f32, kf + n * D, D);
+                widen(vb + at * elem, is_f32, vrows + n * D, D);
                 n++;
             }
             for (int64_t g = 0; g < group; g++) {
                 const int64_t h = kv_head * group + g;
-                widen(q + (t * num_q_heads + h) * D, qf, D);
-                attend_head(qf, kf, vrows, n, D, scale, scores, out + (t * num_q_heads + h) * D);
+                const int64_t row = (t * num_q_heads + h) * D;
+                widen(qb + row * elem, is_f32, qf, D);
+                attend_head(qf, kf, vrows, n, D, scale, scores, ob + row * elem, is_f32);
             }
         }
         free(scores);
@@ -154,6 +171,29 @@ int paged_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uint1
         free(qf);
     }
     return failed ? -1 : 0;
+}
+
+int paged_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                         const int32_t *block_tables, int64_t max_blocks,
+                         const int32_t *query_start_loc, const int32_t *context_lens,
+                         const uint8_t *local_mask, int64_t max_query_len, int64_t num_requests,
+                         int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
+                         int64_t block_size, float scale, uint16_t *out, int num_threads) {
+    return paged_attention(q, k_cache, v_cache, 0, block_tables, max_blocks, query_start_loc,
+                           context_lens, local_mask, max_query_len, num_requests, num_q_heads,
+                           num_kv_heads, head_dim, block_size, scale, out, num_threads);
+}
+
+/* The same for fp32 models (the default GGUF model runs its non-quantized tensors in fp32). */
+int paged_attention_f32(const float *q, const float *k_cache, const float *v_cache,
+                        const int32_t *block_tables, int64_t max_blocks,
+                        const int32_t *query_start_loc, const int32_t *context_lens,
+                        const uint8_t *local_mask, int64_t max_query_len, int64_t num_requests,
+                        int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
+                        int64_t block_size, float scale, float *out, int num_threads) {
+    return paged_attention(q, k_cache, v_cache, 1, block_tables, max_blocks, query_start_loc,
+                           context_lens, local_mask, max_query_len, num_requests, num_q_heads,
+                           num_kv_heads, head_dim, block_size, scale, out, num_threads);
 }
 
 /* This step's K and V into their cache slots, as store_kv_reference: key, value [T] rows of

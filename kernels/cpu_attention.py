@@ -1,9 +1,9 @@
 """Paged attention and the KV store on CPU through the C kernels in `cpu_attention.c` (any ISA
 of cpu_build).
 
-Same arguments and result as `paged_attention_reference` and `store_kv_reference`, for bf16
-tensors; the dispatcher in `__init__.py` sends CPU bf16 calls here when the kernel library is
-built. At decode the reference store is a handful of indexing ops (~85 us per layer on a 2-core
+Same arguments and result as `paged_attention_reference` and `store_kv_reference`, attention
+for bf16 or fp32 tensors, the store for bf16; the dispatcher in `__init__.py` sends CPU calls
+here when the kernel library is built. At decode the reference store is a handful of indexing ops (~85 us per layer on a 2-core
 Zen 3), the kernel one copy per row.
 """
 
@@ -20,8 +20,9 @@ def unsupported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -
         return "no CPU kernel library (SPECSERVE_CPU_ISA=torch or no C compiler)"
     if not all(t.device.type == "cpu" for t in (q, k_cache, v_cache)):
         return "the CPU kernel takes CPU tensors"
-    if not q.dtype == k_cache.dtype == v_cache.dtype == torch.bfloat16:
-        return "the CPU kernel takes bf16 queries and caches"
+    if not (q.dtype == k_cache.dtype == v_cache.dtype
+            and q.dtype in (torch.bfloat16, torch.float32)):
+        return "the CPU kernel takes bf16 or fp32 queries and caches, all of one dtype"
     if q.shape[-1] != k_cache.shape[-1] or q.shape[-1] % 16:
         return f"head_dim {q.shape[-1]} must match the cache's and be a multiple of 16"
     if q.shape[1] % k_cache.shape[2] or k_cache.shape != v_cache.shape:
@@ -58,7 +59,8 @@ def paged_attention_cpu(
     mask = None if local_mask is None else local_mask.to(torch.bool).contiguous()  # 1 byte each
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     out = torch.empty_like(q)
-    status = lib.paged_attention_bf16(
+    kernel = lib.paged_attention_f32 if q.dtype == torch.float32 else lib.paged_attention_bf16
+    status = kernel(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
         tables.shape[1], starts.data_ptr(), contexts.data_ptr(),
         None if mask is None else mask.data_ptr(), 0 if mask is None else mask.shape[1],

@@ -21,22 +21,28 @@ def requests(seed: int) -> list:
     return [*mixed_requests(seed), (300, DECODE)]  # and a decode over many pages
 
 
+# bf16: both round an fp32 result to bf16; fp32: the sums differ only in order.
+TOLERANCE = {torch.bfloat16: 2e-2, torch.float32: 1e-5}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("num_q_heads,num_kv_heads", [(2, 2), (4, 1), (8, 1), (8, 2)])
 @pytest.mark.parametrize("causal_as_none", [False, True], ids=["mask", "none"])
-def test_matches_reference_and_brute_force(head_dim, num_q_heads, num_kv_heads, causal_as_none):
+def test_matches_reference_and_brute_force(head_dim, num_q_heads, num_kv_heads, causal_as_none,
+                                           dtype):
     reqs = requests(head_dim + num_q_heads)
     if causal_as_none:  # None means causal: only causal requests
         reqs = [(ctx, causal(m.shape[0])) for ctx, m in reqs]
     batch = make_batch(reqs, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
-                       head_dim=head_dim, dtype=torch.bfloat16, causal_as_none=causal_as_none)
+                       head_dim=head_dim, dtype=dtype, causal_as_none=causal_as_none)
     out = paged_attention(*batch.args(), impl="cpu")
     ref = paged_attention(*batch.args(), impl="reference")
-    assert out.dtype == torch.bfloat16 and out.shape == batch.q.shape
+    assert out.dtype == dtype and out.shape == batch.q.shape
     assert not out.isnan().any()  # unwritten (NaN) slots and masked positions are never read
-    # Both round an fp32 result to bf16; the fp32 sums differ only in order.
-    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(out.double(), brute_force_attention(batch), atol=2e-2, rtol=2e-2)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(out.double(), brute_force_attention(batch), atol=tol, rtol=tol)
 
 
 def test_a_big_batch_on_several_threads_matches_the_reference():
@@ -48,24 +54,26 @@ def test_a_big_batch_on_several_threads_matches_the_reference():
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
 
 
-def test_auto_takes_the_kernel_for_bf16_and_the_reference_for_fp32(monkeypatch):
+def test_auto_takes_the_kernel_for_bf16_and_fp32_and_the_reference_for_fp16(monkeypatch):
     calls = []
     real = cpu_attention.paged_attention_cpu
     monkeypatch.setattr(cpu_attention, "paged_attention_cpu",
                         lambda *a: calls.append(1) or real(*a))
-    bf16 = make_batch(requests(0), num_q_heads=4, num_kv_heads=2, head_dim=64,
-                      dtype=torch.bfloat16)
-    paged_attention(*bf16.args())
-    assert calls == [1]
-    fp32 = make_batch(requests(0), num_q_heads=4, num_kv_heads=2, head_dim=64)
-    paged_attention(*fp32.args())
-    assert calls == [1]
+    for dtype in (torch.bfloat16, torch.float32):
+        batch = make_batch(requests(0), num_q_heads=4, num_kv_heads=2, head_dim=64, dtype=dtype)
+        paged_attention(*batch.args())
+    assert calls == [1, 1]
+    fp16 = make_batch(requests(0), num_q_heads=4, num_kv_heads=2, head_dim=64,
+                      dtype=torch.float16)
+    paged_attention(*fp16.args())
+    assert calls == [1, 1]
 
 
 def test_inputs_the_kernel_cannot_take_are_a_clear_error():
-    fp32 = make_batch(requests(0), num_q_heads=4, num_kv_heads=2, head_dim=64)
-    with pytest.raises(ValueError, match="bf16"):
-        paged_attention(*fp32.args(), impl="cpu")
+    fp16 = make_batch(requests(0), num_q_heads=4, num_kv_heads=2, head_dim=64,
+                      dtype=torch.float16)
+    with pytest.raises(ValueError, match="bf16 or fp32"):
+        paged_attention(*fp16.args(), impl="cpu")
     odd = make_batch([(5, DECODE)], num_q_heads=2, num_kv_heads=1, head_dim=40,
                      dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="multiple of 16"):
@@ -82,13 +90,15 @@ def test_head_dim_48_runs_in_the_kernel():
     torch.testing.assert_close(out.double(), brute_force_attention(batch), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim", [(4, 2, 64), (8, 1, 128)])
-def test_a_chain_row_equals_the_same_token_decoded_alone(num_q_heads, num_kv_heads, head_dim):
+def test_a_chain_row_equals_the_same_token_decoded_alone(num_q_heads, num_kv_heads, head_dim,
+                                                         dtype):
     """Row-count invariance: row i of a verified chain (context c, 7 new tokens), batched with
     other requests (a prompt chunk makes the batch big enough to run on several threads), is
     bit-identical to decoding that token alone over context c + i (one thread)."""
     chain = make_batch([(40, causal(7)), (300, DECODE), (600, causal(16))], num_q_heads=num_q_heads,
-                       num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=torch.bfloat16)
+                       num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype)
     together = paged_attention(*chain.args(), impl="cpu")  # [11, Hq, D]
     for i in range(7):
         alone = paged_attention(
