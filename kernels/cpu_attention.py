@@ -3,8 +3,8 @@ of cpu_build).
 
 Same arguments and result as `paged_attention_reference` and `store_kv_reference`, attention
 for bf16 or fp32 tensors, the store for bf16; the dispatcher in `__init__.py` sends CPU calls
-here when the kernel library is built. At decode the reference store is a handful of indexing ops (~85 us per layer on a 2-core
-Zen 3), the kernel one copy per row.
+here when the kernel library is built. At decode the reference store is a handful of indexing
+ops (~85 us per layer on a 2-core Zen 3), the kernel one copy per row.
 """
 
 from __future__ import annotations
