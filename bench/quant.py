@@ -15,15 +15,15 @@ come from its own printed eval timings. Rows run interleaved, each prompt at its
 Within each quantization, the default mode's tokens must equal speculation off's (checked
 before timing); across quantizations they differ, which the quality section measures.
 
-Kernels (`--skip-kernels` to leave out), two tables. Row scaling: one decoder layer's
-projections of the widened shape (qkv 1280x1024, o 1024x1024, gate/up 8192x1024, down
-1024x4096), 24 copies so the weights come from memory, timed for M = 1..16 activation rows:
-Q8_0 and Q4_0 on the C kernel of the selected ISA with Q8 and with fp32 activations
-(SPECSERVE_QUANT_ACT, kernels/quant_cpu.py), bf16 on `kernels.linear`; ms per pass over all 24
-layers, and the cost of M rows relative to one row. Shapes: each projection of the widened
-target and of SmolLM2-135M alone, M = 1 and 5, weights cycled from memory: time per product,
-weight bytes read per second and that as a share of torch.sum's read bandwidth (the memory
-bound), for Q8_0 / Q4_0 / Q4_1 with both activation formats, fp32 torch and bf16.
+Kernels (`--skip-kernels` to leave out), two tables. Row scaling: one decoder layer's projections of
+the widened shape (qkv 1280x1024, o 1024x1024, gate/up 8192x1024, down 1024x4096), 24 copies so the
+weights come from memory, timed for M = 1..16 activation rows: Q8_0 and Q4_0 on the C kernel of the
+selected ISA with Q8 and with fp32 activations (SPECSERVE_QUANT_ACT,
+specserve/kernels/quant_cpu.py), bf16 on `kernels.linear`; ms per pass over all 24 layers, and the
+cost of M rows relative to one row. Shapes: each projection of the widened target and of
+SmolLM2-135M alone, M = 1 and 5, weights cycled from memory: time per product, weight bytes read per
+second and that as a share of torch.sum's read bandwidth (the memory bound), for Q8_0 / Q4_0 / Q4_1
+with both activation formats, fp32 torch and bf16.
 
 Quality, on the demo target (the widened one computes the same function): mean next-token NLL
 (nats) over the model card's held-out windows (32 chat + 32 code windows of 256 tokens from the

@@ -5,7 +5,7 @@ GGUF blocks of 32 (int8 = Q8_0: an fp16 scale per block; int4 = Q4_1: an fp16 sc
 block), quantized by the gguf package's own quantizer, and multiplied by the kernels of
 `specserve.kernels.quant` (the activations stay in the model's dtype, sums in fp32; on CPU
 SPECSERVE_QUANT_ACT=q8 quantizes them to int8 blocks per call for integer dot products, see
-kernels/quant_cpu.py). The embedding,
+specserve/kernels/quant_cpu.py). The embedding,
 the LM head (tied or not) and the norms stay in the checkpoint's dtype: the embedding is a row
 lookup, not a matmul, and the LM head's logits decide every greedy token.
 

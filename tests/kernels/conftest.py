@@ -4,7 +4,7 @@ every C-kernel ISA path this CPU supports (`cpu_isa`).
 Two layers decide the mode, and they read TRITON_INTERPRET at different times:
 * Triton's own library functions (`tl.max`, `tl.sum`, `tl.cdiv`, ...) are `@triton.jit`
   functions, fixed as compiled or interpreted when `triton.language` is first imported;
-* this package's kernels read the variable at each launch (`kernels/triton_utils.py`).
+* this package's kernels read the variable at each launch (`specserve/kernels/triton_utils.py`).
 
 So without CUDA this file imports Triton once with TRITON_INTERPRET=1 (and puts the variable
 back as it was), and the `device` fixture sets the variable per test with monkeypatch: nothing
@@ -21,6 +21,7 @@ import sys
 
 import pytest
 import torch
+
 from specserve.kernels import cpu_build
 
 

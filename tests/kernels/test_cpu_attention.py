@@ -1,5 +1,5 @@
-"""The CPU attention kernel (kernels/cpu_attention.c) against its reference, on every ISA path
-this CPU runs (the `cpu_isa` fixture)."""
+"""The CPU attention kernel (specserve/kernels/cpu_attention.c) against its reference, on every
+ISA path this CPU runs (the `cpu_isa` fixture)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from paged_cases import (
     make_batch,
     mixed_requests,
 )
+
 from specserve.kernels import cpu_attention, paged_attention
 
 pytestmark = pytest.mark.usefixtures("cpu_isa")

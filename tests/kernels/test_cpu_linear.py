@@ -1,12 +1,13 @@
-"""The CPU matrix-vector kernel (kernels/cpu_gemv.c) and the blocked GEMM (kernels/cpu_gemm.c)
-against their reference, F.linear in fp32, and against each other (bit for bit), on every ISA
-path this CPU runs (the `cpu_isa` fixture)."""
+"""The CPU matrix-vector kernel (specserve/kernels/cpu_gemv.c) and the blocked GEMM
+(specserve/kernels/cpu_gemm.c) against their reference, F.linear in fp32, and against each other
+(bit for bit), on every ISA path this CPU runs (the `cpu_isa` fixture)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
+
 from specserve.kernels import cpu_build, cpu_linear
 
 

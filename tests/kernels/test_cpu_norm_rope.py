@@ -1,12 +1,12 @@
-"""The CPU RMSNorm and rotary kernels (kernels/cpu_norm_rope.c) against the PyTorch layers, on
-every ISA path this CPU runs (the `cpu_isa` fixture)."""
+"""The CPU RMSNorm and rotary kernels (specserve/kernels/cpu_norm_rope.c) against the PyTorch
+layers, on every ISA path this CPU runs (the `cpu_isa` fixture)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from specserve.kernels import cpu_norm_rope
 
+from specserve.kernels import cpu_norm_rope
 from specserve.model.layers import RMSNorm, RotaryEmbedding
 
 pytestmark = pytest.mark.usefixtures("cpu_isa")

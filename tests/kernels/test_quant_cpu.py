@@ -1,5 +1,5 @@
-"""Quantized formats and the C kernel (kernels/cpu_quant.c) on every ISA path this CPU runs
-(avx512 where present, avx2, portable), with both activation formats: fp32 activations against
+"""Quantized formats and the C kernel (specserve/kernels/cpu_quant.c) on every ISA path this CPU
+runs (avx512 where present, avx2, portable), with both activation formats: fp32 activations against
 the dequantize-then-matmul reference, Q8 activations bit for bit against their PyTorch model
 (quant_linear_q8_reference) and within the activation rounding's bound of the reference. The
 AVX-512 path's compile check on machines without it is test_cpu_build.py's (it builds every
@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+
 from specserve.kernels import cpu_build, quant, quant_cpu
 from specserve.kernels.quant_reference import (
     BLOCK,

@@ -1,10 +1,11 @@
-"""The Triton quantized matmul (kernels/quant_triton.py) against the dequantize-then-matmul
-reference: under Triton's interpreter without a GPU, compiled on CUDA (see conftest.py)."""
+"""The Triton quantized matmul (specserve/kernels/quant_triton.py) against the dequantize-then-
+matmul reference: under Triton's interpreter without a GPU, compiled on CUDA (see conftest.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+
 from specserve.kernels.quant_reference import FORMATS, quant_linear_reference, quantize
 
 

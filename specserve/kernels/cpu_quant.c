@@ -11,11 +11,11 @@
  *                                                         w = (q - 8) * d
  *   Q4_1: fp16 d, fp16 m, uint8 q[16] (as Q4_0)           w = q * d + m
  *
- * Two ways to take the activations, one entry point each (kernels/quant_cpu.py picks one):
+ * Two ways to take the activations, one entry point each (specserve/kernels/quant_cpu.py picks one):
  *
  * quant_matmul: activations in fp32. Every dequantized weight is exact in fp32 (q * d needs at
  * most 18 significant bits; Q4_1 rounds once, in the + m, as the reference does), so the only
- * difference from the reference (dequantize, then an fp32 matmul: kernels/quant_reference.py)
+ * difference from the reference (dequantize, then an fp32 matmul: specserve/kernels/quant_reference.py)
  * is the order of the fp32 sums. One fp32 FMA per weight and row.
  *
  * quant_matmul_q8: activations quantized once per call to Q8 blocks (as llama.cpp's q8_0 /
@@ -47,7 +47,7 @@
  *
  * Written once over cpu_simd.h's fp32 vectors; only the unpacking of a block into vectors and
  * the integer dot products differ per ISA (the AVX-512 build runs the 256-bit AVX2 integer code,
- * which its -m flags include). Built by cpu_build.py; called through kernels/quant_cpu.py.
+ * which its -m flags include). Built by cpu_build.py; called through specserve/kernels/quant_cpu.py.
  */
 #include <math.h>
 #include <stdint.h>
