@@ -222,9 +222,12 @@ def test_distillation_learns_the_targets_states(pair):
     target_dir, _ = pair
     target = hf(target_dir)
     g = torch.Generator().manual_seed(0)
-    records = [{"prompt_ids": torch.randint(3, VOCAB, (6,), generator=g).tolist(),
-                "reply_ids": torch.randint(3, VOCAB, (10,), generator=g).tolist()}
-               for _ in range(24)]
+    prompts = torch.randint(3, VOCAB, (24, 6), generator=g)
+    with torch.no_grad():  # the target's own greedy replies, as the recipe's data
+        replies = target.generate(prompts, attention_mask=torch.ones_like(prompts),
+                                  max_new_tokens=10, min_new_tokens=10, do_sample=False)[:, 6:]
+    records = [{"prompt_ids": p.tolist(), "reply_ids": r.tolist()}
+               for p, r in zip(prompts, replies)]
     states = target_states(target, records, batch_size=8, log=lambda m: None)
     assert [len(s) for s in states] == [16] * 24
     torch.manual_seed(0)
@@ -241,5 +244,5 @@ def test_distillation_learns_the_targets_states(pair):
         losses.append(loss.item())
         assert len(per_pass) == 2
     after = agreement(draft, records, states, depth=2)
-    assert sum(losses[-5:]) < 0.5 * sum(losses[:5])
-    assert after[0] > before[0] + 0.2  # the training replies themselves: it fits them
+    assert sum(losses[-5:]) < 2 / 3 * sum(losses[:5])
+    assert after[0] > before[0] + 0.2, (before, after)  # the training replies: it fits them
