@@ -90,9 +90,10 @@ static void attend_head(const float *qf, const float *kf, const float *vrows, in
     }
 }
 
-/* q, caches and out all bf16 (is_f32 = 0) or all fp32 (is_f32 = 1); the arithmetic is the
- * same fp32 either way. Returns 0, or -1 when a scratch buffer could not be allocated. */
-static int paged_attention(const void *q, const void *k_cache, const void *v_cache, int is_f32,
+/* q, caches and out all bf16 (is_f32 = 0) or all fp32 (is_f32 = 1: the default GGUF model runs
+ * its non-quantized tensors in fp32); the arithmetic is the same fp32 either way. Returns 0, or
+ * -1 when a scratch buffer could not be allocated. */
+int paged_attention(const void *q, const void *k_cache, const void *v_cache, int is_f32,
                            const int32_t *block_tables, int64_t max_blocks,
                            const int32_t *query_start_loc, const int32_t *context_lens,
                            const uint8_t *local_mask, int64_t max_query_len,
@@ -171,29 +172,6 @@ static int paged_attention(const void *q, const void *k_cache, const void *v_cac
         free(qf);
     }
     return failed ? -1 : 0;
-}
-
-int paged_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
-                         const int32_t *block_tables, int64_t max_blocks,
-                         const int32_t *query_start_loc, const int32_t *context_lens,
-                         const uint8_t *local_mask, int64_t max_query_len, int64_t num_requests,
-                         int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
-                         int64_t block_size, float scale, uint16_t *out, int num_threads) {
-    return paged_attention(q, k_cache, v_cache, 0, block_tables, max_blocks, query_start_loc,
-                           context_lens, local_mask, max_query_len, num_requests, num_q_heads,
-                           num_kv_heads, head_dim, block_size, scale, out, num_threads);
-}
-
-/* The same for fp32 models (the default GGUF model runs its non-quantized tensors in fp32). */
-int paged_attention_f32(const float *q, const float *k_cache, const float *v_cache,
-                        const int32_t *block_tables, int64_t max_blocks,
-                        const int32_t *query_start_loc, const int32_t *context_lens,
-                        const uint8_t *local_mask, int64_t max_query_len, int64_t num_requests,
-                        int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
-                        int64_t block_size, float scale, float *out, int num_threads) {
-    return paged_attention(q, k_cache, v_cache, 1, block_tables, max_blocks, query_start_loc,
-                           context_lens, local_mask, max_query_len, num_requests, num_q_heads,
-                           num_kv_heads, head_dim, block_size, scale, out, num_threads);
 }
 
 /* This step's K and V into their cache slots, as store_kv_reference: key, value [T] rows of

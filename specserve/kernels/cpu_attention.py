@@ -59,10 +59,9 @@ def paged_attention_cpu(
     mask = None if local_mask is None else local_mask.to(torch.bool).contiguous()  # 1 byte each
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     out = torch.empty_like(q)
-    kernel = lib.paged_attention_f32 if q.dtype == torch.float32 else lib.paged_attention_bf16
-    status = kernel(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
-        tables.shape[1], starts.data_ptr(), contexts.data_ptr(),
+    status = lib.paged_attention(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), int(q.dtype == torch.float32),
+        tables.data_ptr(), tables.shape[1], starts.data_ptr(), contexts.data_ptr(),
         None if mask is None else mask.data_ptr(), 0 if mask is None else mask.shape[1],
         contexts.shape[0], q.shape[1], num_kv_heads, head_dim, block_size, scale,
         out.data_ptr(), torch.get_num_threads())

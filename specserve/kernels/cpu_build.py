@@ -61,10 +61,8 @@ KERNELS: dict[str, dict[str, Signature]] = {
         "gemm_bf16": ([_p] * 5 + [_i64] * 3 + [_i32], ctypes.c_int),
     },
     "cpu_attention.c": {
-        "paged_attention_bf16": (
-            [_p] * 3 + [_p, _i64] + [_p] * 3 + [_i64] * 6 + [_f32, _p, _i32], ctypes.c_int),
-        "paged_attention_f32": (
-            [_p] * 3 + [_p, _i64] + [_p] * 3 + [_i64] * 6 + [_f32, _p, _i32], ctypes.c_int),
+        "paged_attention": (
+            [_p] * 3 + [_i32, _p, _i64] + [_p] * 3 + [_i64] * 6 + [_f32, _p, _i32], ctypes.c_int),
         "store_kv_bf16": ([_p, _p, _i64, _p, _p, _p] + [_i64] * 3, ctypes.c_int),
     },
     "cpu_norm_rope.c": {
