@@ -28,8 +28,12 @@ def test_disconnected_then_retry(core, new_page, artifacts):
     # A reply long enough to still be streaming when the server goes away.
     slow = ScriptedCore(core.config, [ScriptedDelta("tick ", 1)] * 200, step_s=0.05)
     server = LiveServer(AsyncEngine(slow)).start()
-    chat = ChatPage(new_page(server.url)).wait_connected()
-    page = chat.page
+    page = new_page()
+    # A controllable clock: the back-off's own timer must not reconnect first (on a loaded
+    # machine it did, and the banner with its button was gone before the click).
+    page.clock.install()
+    page.goto(server.url)
+    chat = ChatPage(page).wait_connected()
     chat.send("count")
     expect(chat.reply().locator(".msg-body")).to_contain_text("tick tick")
     server.stop()
@@ -48,12 +52,18 @@ def test_disconnected_then_retry(core, new_page, artifacts):
     expect(page.locator("#send")).to_be_disabled()
     page.screenshot(path=str(artifacts / "disconnected.png"))
 
+    # Stop the page's timers (a jump of 1 s fires the due ones while the server is still down),
+    # so only "Retry now" can reconnect.
+    page.clock.pause_at(page.evaluate("Date.now()") + 1000)
+    expect(page.locator("#retry")).to_be_visible()
+
     # Back on the same port; "Retry now" reconnects without waiting out the back-off.
     server = LiveServer(AsyncEngine(core), port=server.port).start()
     try:
         page.click("#retry")
         expect(status).to_have_attribute("data-state", "open")
         expect(page.locator("#banner")).to_be_hidden()
+        page.clock.resume()
         page.click("#new-chat")
         chat.send("still there?")
         expect(chat.wait_reply_finished()).to_have_attribute("data-status", "completed")
