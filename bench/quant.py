@@ -18,12 +18,12 @@ before timing); across quantizations they differ, which the quality section meas
 Kernels (`--skip-kernels` to leave out), two tables. Row scaling: one decoder layer's projections of
 the widened shape (qkv 1280x1024, o 1024x1024, gate/up 8192x1024, down 1024x4096), 24 copies so the
 weights come from memory, timed for M = 1..16 activation rows: Q8_0 and Q4_0 on the C kernel of the
-selected ISA with Q8 and with fp32 activations (SPECSERVE_QUANT_ACT,
+selected ISA with Q16, Q8 and fp32 activations (SPECSERVE_QUANT_ACT,
 specserve/kernels/quant_cpu.py), bf16 on `kernels.linear`; ms per pass over all 24 layers, and the
 cost of M rows relative to one row. Shapes: each projection of the widened target and of
 SmolLM2-135M alone, M = 1 and 5, weights cycled from memory: time per product, weight bytes read per
 second and that as a share of torch.sum's read bandwidth (the memory bound), for Q8_0 / Q4_0 / Q4_1
-with both activation formats, fp32 torch and bf16.
+with each activation format, fp32 torch and bf16.
 
 Quality, on the demo target (the widened one computes the same function): mean next-token NLL
 (nats) over the model card's held-out windows (32 chat + 32 code windows of 256 tokens from the
@@ -152,7 +152,8 @@ KERNEL_SHAPES = [("widened qkv", 1280, 1024), ("widened o", 1024, 1024),
                  ("widened gate_up", 8192, 1024), ("widened down", 1024, 4096),
                  ("SmolLM2 qkv", 960, 576), ("SmolLM2 o", 576, 576),
                  ("SmolLM2 gate_up", 3072, 576), ("SmolLM2 down", 576, 1536)]
-QUANT_KINDS = [(fmt, act) for fmt in ("Q8_0", "Q4_0", "Q4_1") for act in ("q8", "fp32")]
+ACTS = ("q16", "q8", "fp32")  # the C kernel's activation formats (quant_cpu.ACTIVATIONS)
+QUANT_KINDS = [(fmt, act) for fmt in ("Q8_0", "Q4_0", "Q4_1") for act in ACTS]
 
 
 def _quant_fn(act: str):
@@ -174,7 +175,7 @@ def measure_kernels(rows: tuple[int, ...] = (1, 2, 4, 8, 16), layers: int = 24,
     weights = {"bf16": (linear, dense)}
     for fmt in ("Q8_0", "Q4_0"):
         blocks = [quantize(w, fmt) for w in dense]
-        for act in ("q8", "fp32"):
+        for act in ACTS:
             weights[f"{fmt} {act}"] = (_quant_fn(act), blocks)
     out: dict[str, dict[int, float]] = {kind: {} for kind in weights}
     for m in rows:
@@ -211,7 +212,7 @@ def _copy(w):
 def measure_kernel_shapes(rows: tuple[int, ...] = (1, 5), repeats: int = 5,
                           footprint: int = 96 << 20) -> dict:
     """Seconds per product and weight bytes read, per shape of KERNEL_SHAPES, weight kind and
-    row count: Q8_0 / Q4_0 / Q4_1 with q8 and fp32 activations on the C kernel of the selected
+    row count: Q8_0 / Q4_0 / Q4_1 with q16, q8 and fp32 activations on the C kernel of the selected
     ISA, fp32 weights on torch's F.linear, bf16 on `kernels.linear`. Each kind cycles through
     copies of its weight totalling `footprint` bytes (past the last-level cache, so the weights
     come from memory, as in decode); kinds interleaved, best of `repeats`."""
@@ -252,13 +253,15 @@ def measure_kernel_shapes(rows: tuple[int, ...] = (1, 5), repeats: int = 5,
 
 def format_kernel_shapes(result: dict, bandwidth: float) -> str:
     kinds = list(next(iter(result.values())))
-    lines = ["| shape | " + " | ".join(kinds) + " | Q8_0 q8 vs fp32 act | Q4_0 | Q4_1 |",
-             "|---" * (len(kinds) + 4) + "|"]
+    fmts = ("Q8_0", "Q4_0", "Q4_1")
+    lines = ["| shape | " + " | ".join(kinds) + " | "
+             + " | ".join(f"{fmt} {act} vs fp32 act" for act in ACTS[:-1] for fmt in fmts) + " |",
+             "|---" * (len(kinds) + 1 + len(fmts) * (len(ACTS) - 1)) + "|"]
     for shape, by_kind in result.items():
         cells = [f"{v['us']:.0f} us {v['gbps']:.1f} GB/s {v['gbps'] / bandwidth:.0%}"
                  for v in by_kind.values()]
-        speedups = [f"{by_kind[f'{fmt} fp32']['us'] / by_kind[f'{fmt} q8']['us']:.2f}x"
-                    for fmt in ("Q8_0", "Q4_0", "Q4_1")]
+        speedups = [f"{by_kind[f'{fmt} fp32']['us'] / by_kind[f'{fmt} {act}']['us']:.2f}x"
+                    for act in ACTS[:-1] for fmt in fmts]
         lines.append(f"| {shape} | " + " | ".join(cells + speedups) + " |")
     return "\n".join(lines)
 

@@ -71,8 +71,8 @@ KERNELS: dict[str, dict[str, Signature]] = {
     },
     "cpu_quant.c": {
         "quant_matmul": ([_p, _i32, _p, _i32, _p, _p, _i32] + [_i64] * 3 + [_i32], ctypes.c_int),
-        "quant_matmul_q8": ([_p, _i32, _p, _i32, _p, _p, _i32] + [_i64] * 3 + [_i32],
-                            ctypes.c_int),
+        "quant_matmul_int": ([_p, _i32, _p, _i32, _p, _p, _i32] + [_i64] * 3 + [_i32, _i32],
+                             ctypes.c_int),
     },
 }
 

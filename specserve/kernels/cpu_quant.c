@@ -18,21 +18,25 @@
  * difference from the reference (dequantize, then an fp32 matmul: specserve/kernels/quant_reference.py)
  * is the order of the fp32 sums. One fp32 FMA per weight and row.
  *
- * quant_matmul_q8: activations quantized once per call to Q8 blocks (as llama.cpp's q8_0 /
- * q8_1 products do), then an integer dot product per pair of blocks and a few fp32 operations
- * per block. Per activation row and block b of 32 values x (zero-padded past K):
- *   dx = amax|x| / 127, xq = round_half_even(x * (1 / dx)) (0 when dx is 0), sx = sum xq
+ * quant_matmul_int: activations quantized once per call to integer blocks, 8 or 16 bits (Q8 as
+ * llama.cpp's q8_0 / q8_1 products do), then an integer dot product per pair of blocks and a
+ * few fp32 operations per block. With L = 127 (Q8) or 32767 (Q16), per activation row and block
+ * b of 32 values x (zero-padded past K):
+ *   dx = amax|x| / L, xq = round_half_even(x * (1 / dx)) (0 when dx is 0), sx = sum xq
  * and per output, over the blocks in k order, each operation rounded to fp32:
- *   isum = sum xq * q   (Q4_0: sum xq * (q - 8))      exact in int32 (|isum| < 2^20)
+ *   isum = sum xq * q   (Q4_0: sum xq * (q - 8))      exact in int32 (|isum| < 2^28)
  *   v    = (dw * dx) * isum  (Q4_1: v + m * (dx * sx))
  *   acc  = acc + v
  * The integers are exact and the fp32 operations are the same, in the same order, on every
  * path, so every path computes the same bits, and so does the PyTorch model of these numerics
- * (quant_reference.quant_linear_q8_reference); only the quantized activations differ from the
- * dequantize-then-matmul reference. On AVX2, 32 products cost one maddubs (unsigned x signed
- * bytes to int16 pairs; Q8_0 moves the weight's sign onto the activation first) and one madd
- * (int16 pairs to int32); a horizontal add tree turns four weight rows' partial sums into one
- * vector of four isums, scaled and accumulated in four fp32 lanes.
+ * (quant_reference.quant_linear_int_reference); only the quantized activations differ from the
+ * dequantize-then-matmul reference. Q16 moves an activation by at most amax / 65534 of its
+ * block, below bf16's own rounding of the block's largest values (2^-9 relative), so it keeps
+ * the activations' precision while the products stay integer. On AVX2, 32 Q8 products cost one
+ * maddubs (unsigned x signed bytes to int16 pairs; Q8_0 moves the weight's sign onto the
+ * activation first) and one madd (int16 pairs to int32); 32 Q16 products two madds over the
+ * weights widened to int16 once per block. A horizontal add tree turns four weight rows'
+ * partial sums into one vector of four isums, scaled and accumulated in four fp32 lanes.
  *
  * Decode steps have a few activation rows (a token, a chain, a small draft tree), so the product
  * is bound by reading w. Each weight block is read from memory once per call and unpacked once
@@ -264,26 +268,30 @@ int quant_matmul(const void *x, int x_bf16, const uint8_t *w, int fmt, const voi
     return 0;
 }
 
-/* ---- Q8 activations, integer dot products --------------------------------------------------- */
+/* ---- integer activations (Q8 or Q16 blocks), integer dot products --------------------------- */
+
+/* Activation formats: the levels a block's largest magnitude maps to, and the integer width. */
+enum { ACT_Q8 = 8, ACT_Q16 = 16 };
 
 typedef struct {
-    const int8_t *q;    /* [M, kp] quantized activations */
+    const void *q;      /* [M, kp] quantized activations: int8 (ACT_Q8) or int16 (ACT_Q16) */
     const float *d;     /* [M, nb] block scales dx */
     const float *s;     /* [M, nb] dx * sx (Q4_1's min term) */
     const int32_t *sum; /* [M, nb] sx = sum of the block's q */
     const uint8_t *w;
-    int fmt;
+    int fmt, act;
     int64_t kp, row_bytes, nb;
-} q8_ctx;
+} int_ctx;
 
-/* One activation row (kp fp32 values, whole blocks) to Q8 blocks, as the header defines.
- * |x * id| <= 127 (1 + 2^-23)^2, so every value rounds into [-127, 127]; rounding is the
- * default mode's, half to even (lrintf, or cvtps2dq under the default MXCSR). */
-static void quantize_row_q8(const float *x, int64_t nb, int8_t *q, float *d, float *s,
-                            int32_t *sum) {
+/* One activation row (kp fp32 values, whole blocks) to integer blocks, as the header defines:
+ * levels L = 127 (int8) or 32767 (int16). |x * id| <= L (1 + 2^-23)^2, so every value rounds
+ * into [-L, L]; rounding is the default mode's, half to even (lrintf, or cvtps2dq under the
+ * default MXCSR). */
+static void quantize_row(const float *x, int64_t nb, const int act, void *q, float *d, float *s,
+                         int32_t *sum) {
+    const float levels = act == ACT_Q16 ? 32767.0f : 127.0f;
     for (int64_t b = 0; b < nb; b++) {
         const float *xb = x + b * QK;
-        int8_t *qb = q + b * QK;
 #if defined(SPECSERVE_ISA_AVX512) || defined(SPECSERVE_ISA_AVX2)
         const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
         __m256 v[4], m = _mm256_setzero_ps();
@@ -294,14 +302,20 @@ static void quantize_row_q8(const float *x, int64_t nb, int8_t *q, float *d, flo
         __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
         m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
         const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
-        const float db = amax / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
+        const float db = amax / levels, id = db != 0.0f ? 1.0f / db : 0.0f;
         __m256i iv[4];
         for (int g = 0; g < 4; g++) iv[g] = _mm256_cvtps_epi32(_mm256_mul_ps(v[g], _mm256_set1_ps(id)));
         /* Saturating packs are exact here; they interleave per 128-bit lane, so restore k order. */
-        const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(iv[0], iv[1]),
-                                                 _mm256_packs_epi32(iv[2], iv[3]));
-        _mm256_storeu_si256((__m256i *)qb, _mm256_permutevar8x32_epi32(
-                                               bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+        const __m256i w01 = _mm256_packs_epi32(iv[0], iv[1]), w23 = _mm256_packs_epi32(iv[2], iv[3]);
+        if (act == ACT_Q16) {
+            int16_t *qb = (int16_t *)q + b * QK;
+            _mm256_storeu_si256((__m256i *)qb, _mm256_permute4x64_epi64(w01, 0xd8));
+            _mm256_storeu_si256((__m256i *)(qb + 16), _mm256_permute4x64_epi64(w23, 0xd8));
+        } else {
+            _mm256_storeu_si256((__m256i *)((int8_t *)q + b * QK),
+                                _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w01, w23),
+                                                            _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+        }
         const __m256i lanes = _mm256_add_epi32(_mm256_add_epi32(iv[0], iv[1]),
                                                _mm256_add_epi32(iv[2], iv[3]));
         __m128i t = _mm_add_epi32(_mm256_castsi256_si128(lanes), _mm256_extracti128_si256(lanes, 1));
@@ -313,11 +327,13 @@ static void quantize_row_q8(const float *x, int64_t nb, int8_t *q, float *d, flo
             const float a = xb[j] < 0.0f ? -xb[j] : xb[j];
             amax = a > amax ? a : amax;
         }
-        const float db = amax / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
+        const float db = amax / levels, id = db != 0.0f ? 1.0f / db : 0.0f;
         int32_t total = 0;
         for (int j = 0; j < QK; j++) {
-            qb[j] = (int8_t)lrintf(xb[j] * id);
-            total += qb[j];
+            const long v = lrintf(xb[j] * id);
+            if (act == ACT_Q16) ((int16_t *)q)[b * QK + j] = (int16_t)v;
+            else ((int8_t *)q)[b * QK + j] = (int8_t)v;
+            total += (int32_t)v;
         }
 #endif
         d[b] = db;
@@ -367,15 +383,31 @@ SIMD_INLINE int32_t header_bits(const uint8_t *b) {
     return v;
 }
 
+/* The 32 weights of a block as int16, in k order (weights 0..15, then 16..31). */
+SIMD_INLINE void block_words(const int fmt, __m256i bytes, __m256i words[2]) {
+    const __m128i low = _mm256_castsi256_si128(bytes), high = _mm256_extracti128_si256(bytes, 1);
+    words[0] = fmt == FMT_Q8_0 ? _mm256_cvtepi8_epi16(low) : _mm256_cvtepu8_epi16(low);
+    words[1] = fmt == FMT_Q8_0 ? _mm256_cvtepi8_epi16(high) : _mm256_cvtepu8_epi16(high);
+}
+
+/* Eight int32 partial sums of xq * w over one block of int16 activations (x: 32 of them); no
+ * pair of products overflows (2 * 128 * 32767 < 2^31). */
+SIMD_INLINE __m256i block_dot16(const __m256i words[2], const int16_t *x) {
+    return _mm256_add_epi32(
+        _mm256_madd_epi16(words[0], _mm256_loadu_si256((const __m256i *)x)),
+        _mm256_madd_epi16(words[1], _mm256_loadu_si256((const __m256i *)(x + 16))));
+}
+
 /* MR activation rows x NR weight rows over all blocks: one fp32 lane per output. */
-SIMD_INLINE void q8_micro_kernel(const int MR, const int NR, const int fmt, const q8_ctx *c,
-                                 int64_t m0, const uint8_t *w, float out[MR_MAX][4]) {
+SIMD_INLINE void int_micro_kernel(const int MR, const int NR, const int fmt, const int act,
+                                  const int_ctx *c, int64_t m0, const uint8_t *w,
+                                  float out[MR_MAX][4]) {
     const int bb = block_bytes(fmt);
     __m128 acc[MR_MAX];
 #pragma GCC unroll 8
     for (int i = 0; i < MR; i++) acc[i] = _mm_setzero_ps();
     for (int64_t blk = 0; blk < c->nb; blk++) {
-        __m256i wv[4], aw[4];
+        __m256i wv[4], aw[4], words[4][2];
         int32_t header[4] = {0};
 #pragma GCC unroll 4
         for (int r = 0; r < 4; r++) {
@@ -385,10 +417,11 @@ SIMD_INLINE void q8_micro_kernel(const int MR, const int NR, const int fmt, cons
                  * short a stream for the hardware prefetchers, so fetch the next tile's block. */
                 __builtin_prefetch(b + 4 * c->row_bytes);
                 wv[r] = block_bytes_vec(b, fmt);
-                aw[r] = fmt == FMT_Q8_0 ? _mm256_sign_epi8(wv[r], wv[r]) : wv[r];
+                if (act == ACT_Q16) block_words(fmt, wv[r], words[r]);
+                else aw[r] = fmt == FMT_Q8_0 ? _mm256_sign_epi8(wv[r], wv[r]) : wv[r];
                 header[r] = header_bits(b);
             } else {
-                wv[r] = aw[r] = _mm256_setzero_si256();
+                wv[r] = aw[r] = words[r][0] = words[r][1] = _mm256_setzero_si256();
             }
         }
         const __m128i headers = _mm_loadu_si128((const __m128i *)header);
@@ -397,12 +430,19 @@ SIMD_INLINE void q8_micro_kernel(const int MR, const int NR, const int fmt, cons
                                            : _mm_setzero_ps();
 #pragma GCC unroll 8
         for (int i = 0; i < MR; i++) {
-            const int64_t row = m0 + i, at = row * c->nb + blk;
-            const __m256i xv = _mm256_loadu_si256((const __m256i *)(c->q + row * c->kp + blk * QK));
+            const int64_t row = m0 + i, at = row * c->nb + blk, k0 = row * c->kp + blk * QK;
             __m256i p[4];
+            if (act == ACT_Q16) {
+                const int16_t *xq = (const int16_t *)c->q + k0;
 #pragma GCC unroll 4
-            for (int r = 0; r < 4; r++)
-                p[r] = r < NR ? block_dot(fmt, wv[r], aw[r], xv) : _mm256_setzero_si256();
+                for (int r = 0; r < 4; r++)
+                    p[r] = r < NR ? block_dot16(words[r], xq) : _mm256_setzero_si256();
+            } else {
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)((const int8_t *)c->q + k0));
+#pragma GCC unroll 4
+                for (int r = 0; r < 4; r++)
+                    p[r] = r < NR ? block_dot(fmt, wv[r], aw[r], xv) : _mm256_setzero_si256();
+            }
             __m128i isum = sum4(p[0], p[1], p[2], p[3]);
             if (fmt == FMT_Q4_0) isum = _mm_sub_epi32(isum, _mm_set1_epi32(8 * c->sum[at]));
             __m128 v = _mm_mul_ps(_mm_mul_ps(dwv, _mm_set1_ps(c->d[at])), _mm_cvtepi32_ps(isum));
@@ -415,27 +455,28 @@ SIMD_INLINE void q8_micro_kernel(const int MR, const int NR, const int fmt, cons
 }
 #else
 /* Portable C: the same integers, one output at a time, and the same fp32 operations. */
-SIMD_INLINE void q8_micro_kernel(const int MR, const int NR, const int fmt, const q8_ctx *c,
-                                 int64_t m0, const uint8_t *w, float out[MR_MAX][4]) {
+SIMD_INLINE void int_micro_kernel(const int MR, const int NR, const int fmt, const int act,
+                                  const int_ctx *c, int64_t m0, const uint8_t *w,
+                                  float out[MR_MAX][4]) {
     const int bb = block_bytes(fmt);
     float acc[MR_MAX][4] = {{0}};
     for (int64_t blk = 0; blk < c->nb; blk++) {
         for (int r = 0; r < NR; r++) {
             const uint8_t *b = w + r * c->row_bytes + blk * bb;
-            int8_t q[QK]; /* Q8_0 signed; 4-bit formats q - 8 (Q4_0) or q (Q4_1) */
+            int32_t q[QK]; /* Q8_0 signed; 4-bit formats q - 8 (Q4_0) or q (Q4_1) */
             for (int j = 0; j < QK; j++) {
                 const int nibble = j < 16 ? b[(fmt == FMT_Q4_1 ? 4 : 2) + j] & 0x0f
                                           : b[(fmt == FMT_Q4_1 ? 4 : 2) + j - 16] >> 4;
-                q[j] = fmt == FMT_Q8_0 ? (int8_t)b[2 + j]
-                                       : (int8_t)(fmt == FMT_Q4_0 ? nibble - 8 : nibble);
+                q[j] = fmt == FMT_Q8_0 ? (int8_t)b[2 + j] : fmt == FMT_Q4_0 ? nibble - 8 : nibble;
             }
             const float dw = f16_to_f32((uint16_t)(b[0] | (b[1] << 8)));
             const float mw = fmt == FMT_Q4_1 ? f16_to_f32((uint16_t)(b[2] | (b[3] << 8))) : 0.0f;
             for (int i = 0; i < MR; i++) {
-                const int64_t row = m0 + i, at = row * c->nb + blk;
-                const int8_t *xq = c->q + row * c->kp + blk * QK;
+                const int64_t row = m0 + i, at = row * c->nb + blk, k0 = row * c->kp + blk * QK;
                 int32_t isum = 0;
-                for (int j = 0; j < QK; j++) isum += (int32_t)xq[j] * q[j];
+                for (int j = 0; j < QK; j++)
+                    isum += q[j] * (act == ACT_Q16 ? ((const int16_t *)c->q)[k0 + j]
+                                                   : ((const int8_t *)c->q)[k0 + j]);
                 float v = (dw * c->d[at]) * (float)isum;
                 if (fmt == FMT_Q4_1) v = v + mw * c->s[at];
                 acc[i][r] = acc[i][r] + v;
@@ -447,56 +488,60 @@ SIMD_INLINE void q8_micro_kernel(const int MR, const int NR, const int fmt, cons
 }
 #endif
 
-#define Q8_DISPATCH_MR(NR, FMT)                                                 \
-    switch (mr) {                                                               \
-        case 1: q8_micro_kernel(1, NR, FMT, c, m0, ws, out); break;             \
-        case 2: q8_micro_kernel(2, NR, FMT, c, m0, ws, out); break;             \
-        case 3: q8_micro_kernel(3, NR, FMT, c, m0, ws, out); break;             \
-        case 4: q8_micro_kernel(4, NR, FMT, c, m0, ws, out); break;             \
-        case 5: q8_micro_kernel(5, NR, FMT, c, m0, ws, out); break;             \
-        default: q8_micro_kernel(6, NR, FMT, c, m0, ws, out); break;            \
+#define INT_DISPATCH_MR(NR, FMT, ACT)                                                 \
+    switch (mr) {                                                                     \
+        case 1: int_micro_kernel(1, NR, FMT, ACT, c, m0, ws, out); break;             \
+        case 2: int_micro_kernel(2, NR, FMT, ACT, c, m0, ws, out); break;             \
+        case 3: int_micro_kernel(3, NR, FMT, ACT, c, m0, ws, out); break;             \
+        case 4: int_micro_kernel(4, NR, FMT, ACT, c, m0, ws, out); break;             \
+        case 5: int_micro_kernel(5, NR, FMT, ACT, c, m0, ws, out); break;             \
+        default: int_micro_kernel(6, NR, FMT, ACT, c, m0, ws, out); break;            \
     }
-#define Q8_DISPATCH(NR)                                       \
-    switch (c->fmt) {                                         \
-        case FMT_Q8_0: Q8_DISPATCH_MR(NR, FMT_Q8_0) break;    \
-        case FMT_Q4_0: Q8_DISPATCH_MR(NR, FMT_Q4_0) break;    \
-        default: Q8_DISPATCH_MR(NR, FMT_Q4_1) break;          \
+#define INT_DISPATCH_FMT(NR, ACT)                                     \
+    switch (c->fmt) {                                                 \
+        case FMT_Q8_0: INT_DISPATCH_MR(NR, FMT_Q8_0, ACT) break;      \
+        case FMT_Q4_0: INT_DISPATCH_MR(NR, FMT_Q4_0, ACT) break;      \
+        default: INT_DISPATCH_MR(NR, FMT_Q4_1, ACT) break;            \
     }
+#define INT_DISPATCH(NR)                                                          \
+    if (c->act == ACT_Q16) INT_DISPATCH_FMT(NR, ACT_Q16) else INT_DISPATCH_FMT(NR, ACT_Q8)
 
-static void q8_tile(const void *ctx, int64_t m0, int mr, int64_t n0, int nr,
-                    float out[MR_MAX][4]) {
-    const q8_ctx *c = ctx;
+static void int_tile(const void *ctx, int64_t m0, int mr, int64_t n0, int nr,
+                     float out[MR_MAX][4]) {
+    const int_ctx *c = ctx;
     const uint8_t *ws = c->w + n0 * c->row_bytes;
     switch (nr) {
-        case 4: Q8_DISPATCH(4) break;
-        case 3: Q8_DISPATCH(3) break;
-        case 2: Q8_DISPATCH(2) break;
-        default: Q8_DISPATCH(1) break;
+        case 4: INT_DISPATCH(4) break;
+        case 3: INT_DISPATCH(3) break;
+        case 2: INT_DISPATCH(2) break;
+        default: INT_DISPATCH(1) break;
     }
 }
 
-/* As quant_matmul, with the activations quantized to Q8 blocks (see the header). Returns 0, or
- * -1 when the activation buffers cannot be allocated (nothing written). */
-int quant_matmul_q8(const void *x, int x_bf16, const uint8_t *w, int fmt, const void *bias,
-                    void *y, int y_bf16, int64_t M, int64_t N, int64_t K, int num_threads) {
+/* As quant_matmul, with the activations quantized to integer blocks of act bits (ACT_Q8 or
+ * ACT_Q16, see the header). Returns 0, -1 when the activation buffers cannot be allocated, or
+ * -2 for another act (nothing written either way). */
+int quant_matmul_int(const void *x, int x_bf16, const uint8_t *w, int fmt, const void *bias,
+                     void *y, int y_bf16, int64_t M, int64_t N, int64_t K, int act,
+                     int num_threads) {
+    if (act != ACT_Q8 && act != ACT_Q16) return -2;
     const int64_t nb = (K + QK - 1) / QK, kp = nb * QK, row_bytes = nb * block_bytes(fmt);
-    /* One allocation: q [M, kp] int8, then d, s [M, nb] fp32 and sum [M, nb] int32, then one
-     * fp32 row of scratch; every part starts 64-byte aligned. */
-    const size_t q_bytes = (size_t)((M * kp + 63) / 64 * 64);
+    /* One allocation: q [M, kp] int8 or int16, then d, s [M, nb] fp32 and sum [M, nb] int32,
+     * then one fp32 row of scratch; every part starts 64-byte aligned. */
+    const size_t q_bytes = (size_t)((M * kp * (act / 8) + 63) / 64 * 64);
     const size_t part = (size_t)((M * nb * 4 + 63) / 64 * 64);
     const size_t row = (size_t)((kp * 4 + 63) / 64 * 64);
     uint8_t *buf = aligned_alloc(64, q_bytes + 3 * part + row);
     if (!buf) return -1;
-    int8_t *q = (int8_t *)buf;
     float *d = (float *)(buf + q_bytes), *s = (float *)(buf + q_bytes + part);
     int32_t *sum = (int32_t *)(buf + q_bytes + 2 * part);
     float *xf = (float *)(buf + q_bytes + 3 * part);
     for (int64_t i = 0; i < M; i++) {
         row_to_f32(x, x_bf16, i, K, kp, xf);
-        quantize_row_q8(xf, nb, q + i * kp, d + i * nb, s + i * nb, sum + i * nb);
+        quantize_row(xf, nb, act, buf + i * kp * (act / 8), d + i * nb, s + i * nb, sum + i * nb);
     }
-    const q8_ctx ctx = {q, d, s, sum, w, fmt, kp, row_bytes, nb};
-    run_tiles(q8_tile, &ctx, 4, bias, y, y_bf16, M, N, num_threads);
+    const int_ctx ctx = {buf, d, s, sum, w, fmt, act, kp, row_bytes, nb};
+    run_tiles(int_tile, &ctx, 4, bias, y, y_bf16, M, N, num_threads);
     free(buf);
     return 0;
 }

@@ -6,9 +6,10 @@
   "cpu" / "triton" / "reference"   that path alone.
 
 The reference (quant_reference.py) dequantizes to fp32 and runs F.linear; the Triton kernel and
-the C kernel with fp32 activations (its default) compute the same sums in other orders. With
-`SPECSERVE_QUANT_ACT=q8` (see quant_cpu.py) the C kernel quantizes the activations to Q8 blocks
-first, as llama.cpp does: quant_reference.quant_linear_q8_reference gives its exact results.
+the C kernel with `SPECSERVE_QUANT_ACT=fp32` compute the same sums in other orders. By default
+(q16; q8 on request, see quant_cpu.py) the C kernel quantizes the activations to integer blocks
+first, for integer dot products: quant_reference.quant_linear_int_reference gives its exact
+results.
 """
 
 from __future__ import annotations

@@ -9,9 +9,10 @@ The reference product dequantizes to fp32 (exactly: see the block formats in cpu
 runs an fp32 matmul; the Triton kernel and the C kernel with fp32 activations differ from it only
 in the order of the fp32 sums. It is also the fallback wherever no kernel applies.
 
-`quant_linear_q8_reference` models the C kernel with Q8 activations (cpu_quant.c's header
-defines the numerics: activations quantized to int8 blocks, integer dot products, then a fixed
-sequence of fp32 operations per block), operation for operation, so it gives the kernel's bits.
+`quant_linear_int_reference` models the C kernel with integer activations (cpu_quant.c's header
+defines the numerics: activations quantized to int8 or int16 blocks, integer dot products, then a
+fixed sequence of fp32 operations per block), operation for operation, so it gives the kernel's
+bits.
 """
 
 from __future__ import annotations
@@ -124,25 +125,34 @@ def block_integers(qweight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor
     return q, d, m
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [M, K] -> its Q8 blocks as the kernel makes them, K zero-padded to whole blocks:
-    (q int8 [M, nb, 32], d fp32 [M, nb], sum of q int32 [M, nb]); x ~ q * d."""
+# Integer activation formats: name -> (levels a block's largest magnitude maps to, dtype).
+ACTIVATION_INTS = {"q8": (127, torch.int8), "q16": (32767, torch.int16)}
+
+
+def quantize_activations(x: torch.Tensor, act: str = "q8"
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] -> its integer blocks (`act`: "q8" or "q16") as the kernel makes them, K
+    zero-padded to whole blocks: (q int8/int16 [M, nb, 32], d fp32 [M, nb], sum of q int32
+    [M, nb]); x ~ q * d."""
+    levels, dtype = ACTIVATION_INTS[act]
     rows, k = x.shape
     xb = F.pad(x.float(), (0, -k % BLOCK)).view(rows, -1, BLOCK)  # [M, nb, 32]
-    d = xb.abs().amax(-1) / 127  # [M, nb], one fp32 division
+    d = xb.abs().amax(-1) / levels  # [M, nb], one fp32 division
     inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
-    q = torch.round(xb * inv[..., None]).to(torch.int8)  # half to even, as lrintf
+    q = torch.round(xb * inv[..., None]).to(dtype)  # half to even, as lrintf
     return q, d, q.sum(-1, dtype=torch.int32)
 
 
-def quant_linear_q8_reference(x: torch.Tensor, qweight: QuantizedWeight,
-                              bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The Q8-activation kernel's numerics: x [..., K] -> [..., N] in x's dtype."""
+def quant_linear_int_reference(x: torch.Tensor, qweight: QuantizedWeight,
+                               bias: torch.Tensor | None = None, act: str = "q8"
+                               ) -> torch.Tensor:
+    """The integer-activation kernel's numerics (`act`: "q8" or "q16"): x [..., K] -> [..., N]
+    in x's dtype."""
     n, k = qweight.shape
     lead = x.shape[:-1]
-    xq, dx, sx = quantize_activations(x.reshape(-1, k).cpu())  # [M, nb, 32], [M, nb], [M, nb]
+    xq, dx, sx = quantize_activations(x.reshape(-1, k).cpu(), act)  # [M, nb, 32], [M, nb] x2
     wq, dw, mw = block_integers(qweight.to("cpu"))  # [N, nb, 32], [N, nb], [N, nb]
-    # Integer dot products per block pair, exact in float64 (|isum| < 2^20).
+    # Integer dot products per block pair, exact in float64 (|isum| < 2^28).
     isum = torch.einsum("mbk,nbk->mnb", xq.double(), wq.double()).float()  # [M, N, nb]
     v = (dw[None] * dx[:, None]) * isum  # [M, N, nb]
     if qweight.fmt.name == "Q4_1":

@@ -167,7 +167,9 @@ class VocabParallelEmbedding(nn.Module):
     """Token embedding and LM head over a contiguous range of the vocabulary per rank.
 
     The vocabulary is padded to a multiple of the world size; padding rows stay zero, and their
-    logits are cut off after the gather.
+    logits are cut off after the gather. `file_head`, when set (a GGUF checkpoint's own quantized
+    rows of this rank's vocabulary, see model/quant.py), computes the logits instead of `weight`:
+    the same values (`weight` is their exact dequantization), a quarter of the bytes to read.
     """
 
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype,
@@ -179,6 +181,7 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = shard.rank * self.shard_size
         self.weight = nn.Parameter(torch.zeros(self.shard_size, hidden_size, dtype=dtype),
                                    requires_grad=False)
+        self.file_head: nn.Module | None = None  # hidden [N, H] -> [N, shard_size]
 
     def weight_loader(self, param: nn.Parameter, loaded, shard: int = 0) -> None:
         _expect_shape(loaded, (self.vocab_size, param.shape[1]))
@@ -197,5 +200,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden [N, H] -> float32 logits [N, vocab] on rank 0 (None on the other ranks)."""
-        full = gather_last_dim(linear(hidden, self.weight), self.shard)  # [N, padded vocab]
+        local = (linear(hidden, self.weight) if self.file_head is None
+                 else self.file_head(hidden))  # [N, shard_size]
+        full = gather_last_dim(local, self.shard)  # [N, padded vocab]
         return full[..., : self.vocab_size].float() if full is not None else None

@@ -3,16 +3,18 @@
 Every projection (q/k/v, o, gate/up, down) becomes a `QuantizedLinear` whose weight is stored in
 GGUF blocks of 32 (int8 = Q8_0: an fp16 scale per block; int4 = Q4_1: an fp16 scale and min per
 block), quantized by the gguf package's own quantizer, and multiplied by the kernels of
-`specserve.kernels.quant` (the activations stay in the model's dtype, sums in fp32; on CPU
-SPECSERVE_QUANT_ACT=q8 quantizes them to int8 blocks per call for integer dot products, see
-specserve/kernels/quant_cpu.py). The embedding,
-the LM head (tied or not) and the norms stay in the checkpoint's dtype: the embedding is a row
-lookup, not a matmul, and the LM head's logits decide every greedy token.
+`specserve.kernels.quant` (the activations stay in the model's dtype, sums in fp32; the CPU
+kernel rounds them to int16 blocks per call, finer than bf16, for integer dot products: see
+specserve/kernels/quant_cpu.py). The embedding, the LM head (tied or not) and the norms stay in
+the checkpoint's dtype: the embedding is a row lookup, not a matmul, and the LM head's logits
+decide every greedy token.
 
 The GGUF names (`q8_0`, `q4_0`, `q4_1`) are accepted too, for one exact format.
 
 `use_file_blocks` does the same for a GGUF checkpoint's own Q8_0 / Q4_0 / Q4_1 tensors: their
-blocks are the kernels' layout, so they run as stored, with no re-quantization.
+blocks are the kernels' layout, so they run as stored, with no re-quantization. A quantized LM
+head in the file computes the logits on its blocks too: the file holds no other values for it
+(the dense head is their exact dequantization), and they are a quarter of fp32's bytes.
 """
 
 from __future__ import annotations
@@ -109,9 +111,11 @@ def use_file_blocks(model: nn.Module, tensors: Mapping) -> list[str]:
     have another type, keeps the dequantized weight it was loaded with. Under tensor
     parallelism each linear takes this rank's part of the blocks: its rows of each fused part
     (column-parallel) or its whole blocks of input columns (row-parallel, split on block
-    boundaries: see loader). Returns the names of the linears replaced.
+    boundaries: see loader). The LM head (the embedding when tied) computes its logits on the
+    file's blocks too, its rows of this rank's vocabulary. Returns the names of the modules
+    replaced or given file blocks.
     """
-    replaced = []
+    replaced = _use_file_head(model, tensors)
     for layer in range(len(model.layers)):
         for ours, parts in _FUSED_PARTS.items():
             found = [tensors.get(f"model.layers.{layer}.{part}.weight") for part in parts]
@@ -138,3 +142,19 @@ def use_file_blocks(model: nn.Module, tensors: Mapping) -> list[str]:
             setattr(model.get_submodule(parent), child, quantized)
             replaced.append(name)
     return replaced
+
+
+def _use_file_head(model: nn.Module, tensors: Mapping) -> list[str]:
+    """Quantized LM head rows of the file -> the head's `file_head`; [] when not quantized."""
+    tied = model.lm_head is None
+    head = model.embed_tokens if tied else model.lm_head
+    found = tensors.get("model.embed_tokens.weight" if tied else "lm_head.weight")
+    if found is None or found.ggml_type.name not in FORMATS:
+        return []
+    fmt = FORMATS[found.ggml_type.name]
+    rows = found.raw[head.vocab_start:head.vocab_start + head.shard_size]
+    blocks = torch.zeros(head.shard_size, found.raw.shape[1], dtype=torch.uint8)  # [rows, bytes]
+    blocks[:len(rows)] = torch.from_numpy(np.ascontiguousarray(rows))  # padding rows: zero
+    head.file_head = QuantizedLinear(QuantizedWeight(fmt, blocks, (head.shard_size,
+                                                                   found.shape[1])), None)
+    return ["embed_tokens" if tied else "lm_head"]

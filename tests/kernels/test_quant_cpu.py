@@ -1,7 +1,7 @@
 """Quantized formats and the C kernel (specserve/kernels/cpu_quant.c) on every ISA path this CPU
-runs (avx512 where present, avx2, portable), with both activation formats: fp32 activations against
-the dequantize-then-matmul reference, Q8 activations bit for bit against their PyTorch model
-(quant_linear_q8_reference) and within the activation rounding's bound of the reference. The
+runs (avx512 where present, avx2, portable), with every activation format: fp32 activations against
+the dequantize-then-matmul reference, Q8 and Q16 activations bit for bit against their PyTorch
+model (quant_linear_int_reference) and within the activation rounding's bound of the reference. The
 AVX-512 path's compile check on machines without it is test_cpu_build.py's (it builds every
 path)."""
 
@@ -18,7 +18,7 @@ from specserve.kernels.quant_reference import (
     QuantizedWeight,
     dequantize,
     quant_format,
-    quant_linear_q8_reference,
+    quant_linear_int_reference,
     quant_linear_reference,
     quantize,
     quantize_activations,
@@ -27,6 +27,15 @@ from specserve.kernels.quant_reference import (
 ISAS = cpu_build.supported_isas()
 SHAPES = [(1, 32), (7, 100), (33, 1000), (64, 256), (5, 4864), (130, 4096)]  # (N, K)
 ACTS = quant_cpu.ACTIVATIONS
+INT_ACTS = ("q8", "q16")
+LEVELS = {"q8": 127, "q16": 32767}
+
+
+def _kernel_reference(act: str):
+    """The PyTorch model of what the kernel computes with activation format act."""
+    if act == "fp32":
+        return quant_linear_reference
+    return lambda x, qw, bias=None: quant_linear_int_reference(x, qw, bias, act=act)
 
 
 def _randn(*shape: int, seed: int) -> torch.Tensor:
@@ -76,61 +85,69 @@ def test_kernel_matches_reference(isa: str, fmt: str, m: int, n: int, k: int):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6 * scale)
 
 
+@pytest.mark.parametrize("act", INT_ACTS)
 @pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 7, 12, 16])
-def test_q8_kernel_gives_its_models_bits(isa: str, fmt: str, m: int, n: int, k: int):
-    """Q8 activations: exact integers and the same fp32 operations in the same order on every
-    path, so the kernel equals its PyTorch model bit for bit."""
+def test_int_kernel_gives_its_models_bits(isa: str, fmt: str, m: int, n: int, k: int, act: str):
+    """Integer activations: exact integers and the same fp32 operations in the same order on
+    every path, so the kernel equals its PyTorch model bit for bit."""
     qw = quantize(_randn(n, k, seed=n + k), fmt)
     x = _randn(m, k, seed=m).to(torch.bfloat16)
-    got = quant_cpu.quant_matmul(x, qw, isa=isa, out_dtype=torch.float32, act="q8")
+    got = quant_cpu.quant_matmul(x, qw, isa=isa, out_dtype=torch.float32, act=act)
     assert got.shape == (m, n) and got.dtype == torch.float32
-    assert torch.equal(got, quant_linear_q8_reference(x.float(), qw))
+    assert torch.equal(got, quant_linear_int_reference(x.float(), qw, act=act))
 
 
+@pytest.mark.parametrize("act", INT_ACTS)
 @pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("n,k", [(33, 1000), (130, 4096)])
-def test_q8_kernel_within_the_activation_rounding_of_the_reference(isa: str, fmt: str, n: int,
-                                                                   k: int):
+def test_int_kernel_within_the_activation_rounding_of_the_reference(isa: str, fmt: str, n: int,
+                                                                    k: int, act: str):
     """Against dequantize-then-matmul: each activation moves by at most half its block's step
-    (amax / 254), so an output moves by at most sum_k |w[n, k]| * amax(block of k) / 254;
-    the fp32 sums add at most 1e-5 of sum_k |w x| more."""
+    (amax / (2 L), L = 127 or 32767), so an output moves by at most
+    sum_k |w[n, k]| * amax(block of k) / (2 L); the fp32 sums add at most 1e-5 of
+    sum_k |w x| more."""
     qw = quantize(_randn(n, k, seed=n + k), fmt)
     x = _randn(16, k, seed=k)
-    got = quant_cpu.quant_matmul(x, qw, isa=isa, act="q8")  # [16, n]
+    got = quant_cpu.quant_matmul(x, qw, isa=isa, act=act)  # [16, n]
     want = quant_linear_reference(x, qw)
     w = dequantize(qw).abs()  # [n, k]
-    _, d, _ = quantize_activations(x)  # d [16, nb] = amax / 127
+    _, d, _ = quantize_activations(x, act)  # d [16, nb] = amax / L
     half_step = (d / 2).repeat_interleave(BLOCK, dim=1)[:, :k]  # [16, k]
-    bound = half_step @ w.T * (1 + 1e-3) + 1e-5 * (x.abs() @ w.T)  # [16, n]
+    rounding = half_step @ w.T * (1 + 1e-3)  # [16, n]
+    bound = rounding + 1e-5 * (x.abs() @ w.T)  # [16, n]
     err = (got - want).abs()
     assert (err <= bound).all(), float((err / bound).max())
     # The bound is not vacuous (random signs: the error grows like sqrt(K), the bound like K),
-    # and the error is small against y.
-    assert float((err / bound).max()) > 0.02
-    assert float(err.max()) < 0.02 * float(want.abs().max())
+    # and the error is small against y: Q16 keeps within 1e-4 of y's scale, 250x nearer than Q8.
+    assert float((err / rounding).max()) > 0.02
+    assert float(err.max()) < {"q8": 2e-2, "q16": 1e-4}[act] * float(want.abs().max())
 
 
-def test_activations_quantize_as_q8_blocks():
-    x = torch.tensor([[0.0] * 32 + [127.0, -2.5, 0.5, 1.5, 3.7]])  # [1, 37]: one padded block
-    q, d, total = quantize_activations(x)
-    assert q.shape == (1, 2, 32) and q.dtype == torch.int8
+@pytest.mark.parametrize("act", INT_ACTS)
+def test_activations_quantize_as_integer_blocks(act: str):
+    levels = LEVELS[act]
+    x = torch.tensor([[0.0] * 32 + [levels, -2.5, 0.5, 1.5, 3.7]])  # [1, 37]: one padded block
+    q, d, total = quantize_activations(x, act)
+    assert q.shape == (1, 2, 32) and q.dtype == {"q8": torch.int8, "q16": torch.int16}[act]
     assert float(d[0, 0]) == 0.0 and not q[0, 0].any()  # an all-zero block: scale 0, values 0
-    assert float(d[0, 1]) == 1.0  # amax / 127
-    assert q[0, 1, :5].tolist() == [127, -2, 0, 2, 4] and not q[0, 1, 5:].any()  # half to even
-    assert total[0].tolist() == [0, 131]
+    assert float(d[0, 1]) == 1.0  # amax / L
+    assert q[0, 1, :5].tolist() == [levels, -2, 0, 2, 4] and not q[0, 1, 5:].any()  # half to even
+    assert total[0].tolist() == [0, levels + 4]
 
 
+@pytest.mark.parametrize("act", INT_ACTS)
 @pytest.mark.parametrize("fmt", list(FORMATS))
-def test_q8_kernel_rounds_ties_to_even(isa: str, fmt: str):
-    """Blocks whose largest value is 127 have scale 1: half-integer activations are ties."""
+def test_int_kernel_rounds_ties_to_even(isa: str, fmt: str, act: str):
+    """Blocks whose largest value is L have scale 1: half-integer activations are ties."""
+    levels = LEVELS[act]
     x = torch.randint(-254, 255, (4, 96), generator=torch.Generator().manual_seed(11)) / 2
-    x[:, ::BLOCK] = 127.0  # [4, 96]
+    x[:, ::BLOCK] = float(levels)  # [4, 96]
     qw = quantize(_randn(9, 96, seed=12), fmt)
-    got = quant_cpu.quant_matmul(x, qw, isa=isa, act="q8")
-    assert torch.equal(got, quant_linear_q8_reference(x, qw))
-    assert not torch.equal(got, quant_linear_q8_reference(x + 0.25, qw))  # ties matter here
+    got = quant_cpu.quant_matmul(x, qw, isa=isa, act=act)
+    assert torch.equal(got, quant_linear_int_reference(x, qw, act=act))
+    assert not torch.equal(got, quant_linear_int_reference(x + 0.25, qw, act=act))  # ties matter
 
 
 @pytest.mark.parametrize("act", ACTS)
@@ -156,9 +173,8 @@ def test_bias_and_output_dtype(isa: str, dtype: torch.dtype, act: str):
     x, bias = _randn(3, 64, seed=6).to(dtype), _randn(50, seed=7).to(dtype)
     got = quant_cpu.quant_matmul(x, qw, bias, isa=isa, act=act)
     assert got.dtype == dtype
-    reference = quant_linear_q8_reference if act == "q8" else quant_linear_reference
-    want32 = reference(x.float(), qw, bias.float())
-    if act == "q8":  # the same operations, one rounding to dtype at the end
+    want32 = _kernel_reference(act)(x.float(), qw, bias.float())
+    if act in INT_ACTS:  # the same operations, one rounding to dtype at the end
         assert torch.equal(got, want32.to(dtype))
     if dtype == torch.float32:
         torch.testing.assert_close(got, want32, rtol=1e-5, atol=1e-5)
@@ -172,8 +188,7 @@ def test_quant_linear_paths_agree():
     want = quant.quant_linear(x, qw, impl="reference")
     assert want.shape == (2, 3, 40)
     # The C kernel computes what its activation format's reference computes.
-    kernel_reference = (quant_linear_q8_reference if quant_cpu.activation_format() == "q8"
-                        else quant_linear_reference)
+    kernel_reference = _kernel_reference(quant_cpu.activation_format())
     if quant_cpu.library() is not None:
         torch.testing.assert_close(quant.quant_linear(x, qw, impl="cpu"),
                                    kernel_reference(x, qw))
@@ -188,7 +203,7 @@ def test_quant_linear_paths_agree():
 
 def test_activation_format_comes_from_the_environment(monkeypatch):
     monkeypatch.delenv("SPECSERVE_QUANT_ACT", raising=False)
-    assert quant_cpu.activation_format() == "fp32"
+    assert quant_cpu.activation_format() == "q16"
     monkeypatch.setenv("SPECSERVE_QUANT_ACT", "Q8")
     assert quant_cpu.activation_format() == "q8"
     monkeypatch.setenv("SPECSERVE_QUANT_ACT", "int8")

@@ -149,3 +149,43 @@ def test_gguf_mixed_types_keep_the_loaded_weight(tiny_target):
     replaced = use_file_blocks(model, _gguf_like_tensors(tiny_target, "Q8_0", mixed_layer=1))
     assert "layers.1.self_attn.qkv_proj" not in replaced and len(replaced) == 2 * 4 - 1
     assert not isinstance(model.get_submodule("layers.1.self_attn.qkv_proj"), QuantizedLinear)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["lm_head", "tied"])
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_1"])
+def test_gguf_head_computes_logits_on_the_file_blocks(tmp_path, tied, fmt):
+    """A GGUF's quantized LM head (the embedding when tied) computes the logits on its blocks:
+    the quantized kernel's product with them, within its rounding of the dense product with
+    their dequantization (what the head's weight holds), and each tensor-parallel rank holds
+    its vocabulary rows of the blocks."""
+    from types import SimpleNamespace
+
+    from gguf import GGMLQuantizationType
+    from specserve.distributed import TPShard
+    from specserve.kernels.quant import quant_linear
+    from specserve.kernels.quant_reference import dequantize, quantize
+    from specserve.model.quant import use_file_blocks
+
+    path = save_model(tmp_path / "m", "llama", seed=7, tie_word_embeddings=tied)
+    name = "model.embed_tokens.weight" if tied else "lm_head.weight"
+    for shard in (None, TPShard(0, 2), TPShard(1, 2)):
+        model = load_model(path, dtype="float32", **({} if shard is None else {"shard": shard}))
+        head = model.embed_tokens if tied else model.lm_head
+        whole = head.weight if shard is None else load_model(path, dtype="float32").get_submodule(
+            "embed_tokens" if tied else "lm_head").weight
+        qw = quantize(whole.data, fmt)
+        tensors = {name: SimpleNamespace(ggml_type=GGMLQuantizationType[fmt],
+                                         shape=qw.shape, raw=qw.blocks.numpy())}
+        replaced = use_file_blocks(model, tensors)
+        assert replaced == ["embed_tokens" if tied else "lm_head"]
+        rows = head.file_head.qweight.blocks  # [shard_size, bytes]
+        end = min(head.vocab_start + head.shard_size, qw.shape[0])
+        assert torch.equal(rows[:end - head.vocab_start], qw.blocks[head.vocab_start:end])
+        assert not rows[end - head.vocab_start:].any()  # padding rows: zero weights
+        if shard is not None:
+            continue
+        head.weight.data.copy_(dequantize(qw))  # as the GGUF loader fills it
+        hidden = torch.randn(5, whole.shape[1], generator=torch.Generator().manual_seed(1))
+        got = model.compute_logits(hidden)  # [5, vocab]
+        assert torch.equal(got, quant_linear(hidden, qw))
+        torch.testing.assert_close(got, hidden @ dequantize(qw).T, rtol=1e-4, atol=1e-4)
