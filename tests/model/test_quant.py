@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from specserve.kernels import quant_cpu
 
 from specserve import LLM, SamplingParams
+from specserve.kernels import quant_cpu
 from specserve.model.loader import load_model
 from specserve.model.quant import QuantizedLinear, resolve_quantization
 from specserve.model.runner import ModelRunner, Segment
@@ -114,6 +114,7 @@ def _gguf_like_tensors(path, fmt: str, mixed_layer: int | None = None) -> dict:
 
     from gguf import GGMLQuantizationType
     from safetensors.torch import load_file
+
     from specserve.kernels.quant_reference import quantize
 
     tensors = {}
@@ -161,6 +162,7 @@ def test_gguf_head_computes_logits_on_the_file_blocks(tmp_path, tied, fmt):
     from types import SimpleNamespace
 
     from gguf import GGMLQuantizationType
+
     from specserve.distributed import TPShard
     from specserve.kernels.quant import quant_linear
     from specserve.kernels.quant_reference import dequantize, quantize
