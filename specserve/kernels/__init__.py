@@ -2,12 +2,12 @@
 
 Every function takes `impl`:
   "auto"       Triton on CUDA tensors; on CPU the C kernels (cpu_build.py) where they apply
-               (paged_attention and store_kv on bf16, see cpu_attention.py), the PyTorch
+               (paged_attention and store_kv on bf16 or fp32, see cpu_attention.py), the PyTorch
                reference otherwise.
   "triton"     the Triton kernels; CPU tensors need TRITON_INTERPRET=1 (Triton's interpreter,
                read at each launch, so tests can switch it per test).
   "reference"  the PyTorch code in `reference.py`, on any device.
-  "cpu"        the C kernels (paged_attention and store_kv; bf16 CPU tensors).
+  "cpu"        the C kernels (paged_attention and store_kv; bf16 or fp32 CPU tensors).
 
 The Triton modules are imported on first use, so CPU-only code never needs Triton.
 

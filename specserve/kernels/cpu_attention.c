@@ -175,20 +175,21 @@ int paged_attention(const void *q, const void *k_cache, const void *v_cache, int
 }
 
 /* This step's K and V into their cache slots, as store_kv_reference: key, value [T] rows of
- * row_len bf16 values, row_stride apart (views into the fused qkv projection output); caches
- * [num_slots, row_len] bf16; slot_mapping [T], negative = padding (skipped). Returns -1,
- * writing nothing, when a slot is past the cache. */
-int store_kv_bf16(const uint16_t *key, const uint16_t *value, int64_t row_stride,
-                  uint16_t *k_cache, uint16_t *v_cache, const int64_t *slot_mapping, int64_t T,
-                  int64_t row_len, int64_t num_slots) {
+ * row_len values of elem_bytes each (bf16 or fp32), row_stride values apart (views into the
+ * fused qkv projection output); caches [num_slots, row_len] of the same type; slot_mapping [T],
+ * negative = padding (skipped). Returns -1, writing nothing, when a slot is past the cache. */
+int store_kv_rows(const void *key, const void *value, int64_t row_stride, void *k_cache,
+                  void *v_cache, const int64_t *slot_mapping, int64_t T, int64_t row_len,
+                  int64_t num_slots, int64_t elem_bytes) {
     for (int64_t t = 0; t < T; t++)
         if (slot_mapping[t] >= num_slots) return -1;
-    const size_t bytes = (size_t)row_len * sizeof(uint16_t);
+    const size_t bytes = (size_t)(row_len * elem_bytes), stride = (size_t)(row_stride * elem_bytes);
     for (int64_t t = 0; t < T; t++) {
         const int64_t slot = slot_mapping[t];
         if (slot < 0) continue;
-        memcpy(k_cache + slot * row_len, key + t * row_stride, bytes);
-        memcpy(v_cache + slot * row_len, value + t * row_stride, bytes);
+        memcpy((char *)k_cache + (size_t)slot * bytes, (const char *)key + (size_t)t * stride, bytes);
+        memcpy((char *)v_cache + (size_t)slot * bytes, (const char *)value + (size_t)t * stride,
+               bytes);
     }
     return 0;
 }

@@ -76,8 +76,9 @@ def store_kv_unsupported(key: torch.Tensor, value: torch.Tensor, k_cache: torch.
     if library() is None:
         return "no CPU kernel library (SPECSERVE_CPU_ISA=torch or no C compiler)"
     tensors = (key, value, k_cache, v_cache)
-    if not all(t.device.type == "cpu" and t.dtype == torch.bfloat16 for t in tensors):
-        return "the CPU store takes bf16 CPU tensors"
+    if not (key.dtype in (torch.bfloat16, torch.float32)
+            and all(t.device.type == "cpu" and t.dtype == key.dtype for t in tensors)):
+        return "the CPU store takes CPU tensors all bf16 or all fp32"
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()
             and k_cache.shape == v_cache.shape and key.shape == value.shape
             and key.shape[1:] == k_cache.shape[2:]):
@@ -90,10 +91,10 @@ def store_kv_unsupported(key: torch.Tensor, value: torch.Tensor, k_cache: torch.
 
 
 def store_kv_cpu(
-    key: torch.Tensor,  # [T, Hkv, D] bf16, rows contiguous
-    value: torch.Tensor,  # [T, Hkv, D] bf16, rows as key's
-    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D] bf16, contiguous
-    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D] bf16, contiguous
+    key: torch.Tensor,  # [T, Hkv, D] bf16 or fp32, rows contiguous
+    value: torch.Tensor,  # [T, Hkv, D] key's dtype, rows as key's
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D] key's dtype, contiguous
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D] key's dtype, contiguous
     slot_mapping: torch.Tensor,  # [T] int64, < 0 = padding (skipped)
 ) -> None:
     reason = store_kv_unsupported(key, value, k_cache, v_cache)
@@ -102,7 +103,7 @@ def store_kv_cpu(
     slots = slot_mapping.to(torch.int64).contiguous()
     num_slots = k_cache.shape[0] * k_cache.shape[1]
     row_len = k_cache.shape[2] * k_cache.shape[3]
-    if library().store_kv_bf16(key.data_ptr(), value.data_ptr(), key.stride(0),
+    if library().store_kv_rows(key.data_ptr(), value.data_ptr(), key.stride(0),
                                k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
-                               len(slots), row_len, num_slots) != 0:
+                               len(slots), row_len, num_slots, key.element_size()) != 0:
         raise IndexError(f"store_kv_cpu: a slot is past the cache's {num_slots} slots")

@@ -63,11 +63,11 @@ KERNELS: dict[str, dict[str, Signature]] = {
     "cpu_attention.c": {
         "paged_attention": (
             [_p] * 3 + [_i32, _p, _i64] + [_p] * 3 + [_i64] * 6 + [_f32, _p, _i32], ctypes.c_int),
-        "store_kv_bf16": ([_p, _p, _i64, _p, _p, _p] + [_i64] * 3, ctypes.c_int),
+        "store_kv_rows": ([_p, _p, _i64, _p, _p, _p] + [_i64] * 4, ctypes.c_int),
     },
     "cpu_norm_rope.c": {
-        "rms_norm_bf16": ([_p] * 3 + [_i64] * 2 + [_f32], None),
-        "rotary_bf16": ([_p] + [_i64] * 4 + [_p] * 2 + [_i64, _p], ctypes.c_int),
+        "rms_norm_rows": ([_p] * 3 + [_i64] * 2 + [_f32, _i32], None),
+        "rotary_rows": ([_p] + [_i64] * 4 + [_p] * 2 + [_i64, _p, _i32], ctypes.c_int),
     },
     "cpu_quant.c": {
         "quant_matmul": ([_p, _i32, _p, _i32, _p, _p, _i32] + [_i64] * 3 + [_i32], ctypes.c_int),

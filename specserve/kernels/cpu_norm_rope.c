@@ -1,55 +1,83 @@
-/* RMSNorm and rotary embedding for bf16 activations on CPU, one call per layer op.
+/* RMSNorm and rotary embedding for bf16 or fp32 activations on CPU, one call per layer op.
  *
  * Both follow the PyTorch code they replace (specserve/model/layers.py) step for step, in
- * fp32 with the same roundings to bf16, so results match it to fp32 summation order:
- *   rms_norm:  y = bf16(w * bf16(x * 1/sqrt(mean(x^2) + eps)))
+ * fp32 with the same roundings (to bf16 for bf16 activations), so results match it to fp32
+ * summation order (rms_norm's sum of squares) or bit for bit (rotary):
+ *   rms_norm:  y = w * round(x * 1/sqrt(mean(x^2) + eps))   (round: to the activations' dtype,
+ *                                                            and the product rounded again)
  *   rotary:    (x1, x2) halves of each head -> (x1 cos - x2 sin, x2 cos + x1 sin), rounded
  * On CPU each of these is a handful of tiny tensor ops whose dispatch costs more than the
- * arithmetic (tens of microseconds per layer); here it is one pass over the row.
+ * arithmetic (tens of microseconds per layer); here it is one pass over the row. `f32` selects
+ * the element type: each entry point calls its body with a constant, so both are specialized.
  */
 #include <math.h>
 #include <stdint.h>
 
 #include "cpu_bf16.h"
 
-/* x, y [T, H] bf16; w [H] bf16. */
-void rms_norm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t T, int64_t H,
-                   float eps) {
+static inline __attribute__((always_inline)) float load(const void *p, int64_t i, const int f32) {
+    return f32 ? ((const float *)p)[i] : bf16_to_f32(((const uint16_t *)p)[i]);
+}
+
+static inline __attribute__((always_inline)) void save(void *p, int64_t i, float v, const int f32) {
+    if (f32) ((float *)p)[i] = v;
+    else ((uint16_t *)p)[i] = f32_to_bf16(v);
+}
+
+/* The value as the activations' dtype holds it. */
+static inline __attribute__((always_inline)) float rounded(float v, const int f32) {
+    return f32 ? v : bf16_to_f32(f32_to_bf16(v));
+}
+
+static inline __attribute__((always_inline)) void rms_norm_body(
+    const void *x, const void *w, void *y, int64_t T, int64_t H, float eps, const int f32) {
     for (int64_t t = 0; t < T; t++) {
-        const uint16_t *xr = x + t * H;
-        uint16_t *yr = y + t * H;
         float sum = 0.0f;
         for (int64_t h = 0; h < H; h++) {
-            const float v = bf16_to_f32(xr[h]);
+            const float v = load(x, t * H + h, f32);
             sum += v * v;
         }
         const float inv = 1.0f / sqrtf(sum / (float)H + eps);
         for (int64_t h = 0; h < H; h++) {
-            const float normed = bf16_to_f32(f32_to_bf16(bf16_to_f32(xr[h]) * inv));
-            yr[h] = f32_to_bf16(bf16_to_f32(w[h]) * normed);
+            const float normed = rounded(load(x, t * H + h, f32) * inv, f32);
+            save(y, t * H + h, load(w, h, f32) * normed, f32);
         }
     }
 }
 
-/* In place on x [T, row_stride] bf16: heads [0, num_heads) of head_dim values each, starting at
- * the row start; cos, sin [max_positions, head_dim / 2] fp32; positions [T] int64. Returns -1,
- * changing nothing, when a position is outside the tables. */
-int rotary_bf16(uint16_t *x, int64_t T, int64_t row_stride, int64_t num_heads, int64_t head_dim,
-                const float *cos_table, const float *sin_table, int64_t max_positions,
-                const int64_t *positions) {
+/* x, y [T, H]; w [H]; all bf16, or all fp32 when f32. */
+void rms_norm_rows(const void *x, const void *w, void *y, int64_t T, int64_t H, float eps,
+                   int f32) {
+    if (f32) rms_norm_body(x, w, y, T, H, eps, 1);
+    else rms_norm_body(x, w, y, T, H, eps, 0);
+}
+
+static inline __attribute__((always_inline)) void rotary_body(
+    void *x, int64_t T, int64_t row_stride, int64_t num_heads, int64_t head_dim,
+    const float *cos_table, const float *sin_table, const int64_t *positions, const int f32) {
     const int64_t half = head_dim / 2;
-    for (int64_t t = 0; t < T; t++)
-        if (positions[t] < 0 || positions[t] >= max_positions) return -1;
     for (int64_t t = 0; t < T; t++) {
         const float *c = cos_table + positions[t] * half, *s = sin_table + positions[t] * half;
         for (int64_t h = 0; h < num_heads; h++) {
-            uint16_t *v = x + t * row_stride + h * head_dim;
+            const int64_t at = t * row_stride + h * head_dim;
             for (int64_t d = 0; d < half; d++) {
-                const float x1 = bf16_to_f32(v[d]), x2 = bf16_to_f32(v[d + half]);
-                v[d] = f32_to_bf16(x1 * c[d] - x2 * s[d]);
-                v[d + half] = f32_to_bf16(x2 * c[d] + x1 * s[d]);
+                const float x1 = load(x, at + d, f32), x2 = load(x, at + d + half, f32);
+                save(x, at + d, x1 * c[d] - x2 * s[d], f32);
+                save(x, at + d + half, x2 * c[d] + x1 * s[d], f32);
             }
         }
     }
+}
+
+/* In place on x [T, row_stride] (bf16, or fp32 when f32): heads [0, num_heads) of head_dim
+ * values each, starting at the row start; cos, sin [max_positions, head_dim / 2] fp32;
+ * positions [T] int64. Returns -1, changing nothing, when a position is outside the tables. */
+int rotary_rows(void *x, int64_t T, int64_t row_stride, int64_t num_heads, int64_t head_dim,
+                const float *cos_table, const float *sin_table, int64_t max_positions,
+                const int64_t *positions, int f32) {
+    for (int64_t t = 0; t < T; t++)
+        if (positions[t] < 0 || positions[t] >= max_positions) return -1;
+    if (f32) rotary_body(x, T, row_stride, num_heads, head_dim, cos_table, sin_table, positions, 1);
+    else rotary_body(x, T, row_stride, num_heads, head_dim, cos_table, sin_table, positions, 0);
     return 0;
 }

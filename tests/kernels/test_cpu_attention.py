@@ -109,16 +109,17 @@ def test_a_chain_row_equals_the_same_token_decoded_alone(num_q_heads, num_kv_hea
         assert torch.equal(alone[0], together[i]), f"chain row {i}"
 
 
-def test_store_kv_matches_the_reference_on_views_of_the_fused_projection():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_store_kv_matches_the_reference_on_views_of_the_fused_projection(dtype):
     from specserve.kernels import store_kv
 
     g = torch.Generator().manual_seed(3)
-    qkv = torch.randn(6, 4 * 16 + 2 * 2 * 16, generator=g).to(torch.bfloat16)  # [T, q + k + v]
+    qkv = torch.randn(6, 4 * 16 + 2 * 2 * 16, generator=g).to(dtype)  # [T, q + k + v]
     k = qkv[:, 64:96].view(6, 2, 16)  # [T, Hkv, D], rows 96 values apart
     v = qkv[:, 96:].view(6, 2, 16)
     slots = torch.tensor([5, -1, 17, 0, 40, 33])  # -1: padding, skipped
-    caches = {impl: (torch.full((3, 16, 2, 16), float("nan"), dtype=torch.bfloat16),
-                     torch.full((3, 16, 2, 16), float("nan"), dtype=torch.bfloat16))
+    caches = {impl: (torch.full((3, 16, 2, 16), float("nan"), dtype=dtype),
+                     torch.full((3, 16, 2, 16), float("nan"), dtype=dtype))
               for impl in ("cpu", "reference", "auto")}
     for impl, (kc, vc) in caches.items():
         store_kv(k, v, kc, vc, slots, impl=impl)
@@ -128,5 +129,5 @@ def test_store_kv_matches_the_reference_on_views_of_the_fused_projection():
             assert torch.equal(got.nan_to_num(), want.nan_to_num())
     with pytest.raises(IndexError, match="past the cache"):
         cpu_attention.store_kv_cpu(k, v, *caches["cpu"], torch.tensor([0, 1, 2, 3, 4, 48]))
-    with pytest.raises(ValueError, match="bf16"):
-        cpu_attention.store_kv_cpu(k.float(), v.float(), *caches["cpu"], slots)
+    with pytest.raises(ValueError, match="all bf16 or all fp32"):
+        cpu_attention.store_kv_cpu(k.double(), v.double(), *caches["cpu"], slots)
