@@ -11,7 +11,6 @@ import torch
 
 from .cpu_build import library
 
-
 DTYPES = (torch.bfloat16, torch.float32)
 
 
