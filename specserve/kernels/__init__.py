@@ -57,9 +57,11 @@ def store_kv(
         from .kv_store import store_kv_triton
 
         store_kv_triton(key, value, k_cache, v_cache, slot_mapping)
-    elif impl == "cpu" or (impl == "auto" and cpu_attention.store_kv_unsupported(
-            key, value, k_cache, v_cache) is None):
+    elif impl == "cpu":
         cpu_attention.store_kv_cpu(key, value, k_cache, v_cache, slot_mapping)
+    elif impl == "auto" and cpu_attention.store_kv_unsupported(key, value, k_cache,
+                                                               v_cache) is None:
+        cpu_attention.store_kv_cpu(key, value, k_cache, v_cache, slot_mapping, checked=True)
     else:
         store_kv_reference(key, value, k_cache, v_cache, slot_mapping)
 
@@ -90,8 +92,10 @@ def paged_attention(
         from .attention import paged_attention_triton
 
         return paged_attention_triton(*args)
-    if impl == "cpu" or (impl == "auto" and cpu_attention.supports(q, k_cache, v_cache)):
+    if impl == "cpu":
         return cpu_attention.paged_attention_cpu(*args)
+    if impl == "auto" and cpu_attention.supports(q, k_cache, v_cache):
+        return cpu_attention.paged_attention_cpu(*args, checked=True)
     return paged_attention_reference(*args)
 
 

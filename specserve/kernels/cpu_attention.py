@@ -1,9 +1,9 @@
 """Paged attention and the KV store on CPU through the C kernels in `cpu_attention.c` (any ISA
 of cpu_build).
 
-Same arguments and result as `paged_attention_reference` and `store_kv_reference`, attention
-for bf16 or fp32 tensors, the store for bf16; the dispatcher in `__init__.py` sends CPU calls
-here when the kernel library is built. At decode the reference store is a handful of indexing
+Same arguments and result as `paged_attention_reference` and `store_kv_reference`, for bf16 or
+fp32 tensors; the dispatcher in `__init__.py` sends CPU calls here when the kernel library is
+built. At decode the reference store is a handful of indexing
 ops (~85 us per layer on a 2-core Zen 3), the kernel one copy per row.
 """
 
@@ -46,10 +46,12 @@ def paged_attention_cpu(
     local_mask: torch.Tensor | None,  # [T, max_query_len] bool, None = causal
     scale: float,
     max_query_len: int,
+    *,
+    checked: bool = False,  # the caller found unsupported(q, k_cache, v_cache) None already
 ) -> torch.Tensor:  # [T, Hq, D] bf16
-    """Runs once per layer per step: a few attribute checks, then one C call (no tensor ops
-    beyond the output allocation; each costs microseconds on CPU)."""
-    reason = unsupported(q, k_cache, v_cache)
+    """Runs once per layer per step: a few attribute checks (once: see `checked`), then one C
+    call (no tensor ops beyond the output allocation; each costs microseconds on CPU)."""
+    reason = None if checked else unsupported(q, k_cache, v_cache)
     if reason is not None:
         raise ValueError(f"paged_attention_cpu: {reason}")
     lib = library()
@@ -96,8 +98,10 @@ def store_kv_cpu(
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D] key's dtype, contiguous
     v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D] key's dtype, contiguous
     slot_mapping: torch.Tensor,  # [T] int64, < 0 = padding (skipped)
+    *,
+    checked: bool = False,  # the caller found store_kv_unsupported(...) None already
 ) -> None:
-    reason = store_kv_unsupported(key, value, k_cache, v_cache)
+    reason = None if checked else store_kv_unsupported(key, value, k_cache, v_cache)
     if reason is not None:
         raise ValueError(f"store_kv_cpu: {reason}")
     slots = slot_mapping.to(torch.int64).contiguous()
