@@ -59,7 +59,7 @@ def test_auto_takes_the_kernel_for_bf16_and_fp32_and_the_reference_for_fp16(monk
     calls = []
     real = cpu_attention.paged_attention_cpu
     monkeypatch.setattr(cpu_attention, "paged_attention_cpu",
-                        lambda *a: calls.append(1) or real(*a))
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
     for dtype in (torch.bfloat16, torch.float32):
         batch = make_batch(requests(0), num_q_heads=4, num_kv_heads=2, head_dim=64, dtype=dtype)
         paged_attention(*batch.args())
