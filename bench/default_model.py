@@ -27,7 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", default="off,default,chain:2,chain:4,chain:6",
                         help="first one is the baseline; 'default' is the engine's choice")
     add_common_args(parser)
-    parser.set_defaults(rounds=1)
+    # The model as `LLM()` loads it (float32 activations for the GGUF), unless --dtype says.
+    parser.set_defaults(rounds=1, dtype="auto")
     args = parser.parse_args(argv)
     setup(args)
     env = environment(args.threads)
