@@ -53,11 +53,21 @@ def quant_linear(x: torch.Tensor, qweight: QuantizedWeight, bias: torch.Tensor |
 
 def _cpu_in_calls(x2: torch.Tensor, qweight: QuantizedWeight, bias: torch.Tensor | None
                   ) -> torch.Tensor:
+    """The C kernel, checked once here rather than per call (a decode step makes seven calls
+    per layer, each a few tens of microseconds)."""
+    lib, act = quant_cpu.library(), quant_cpu.activation_format()
+    if lib is None or x2.dtype not in _CPU_DTYPES or x2.device.type != "cpu":
+        return quant_cpu.quant_matmul(x2, qweight, bias)  # raises, naming what is wrong
+    x2 = x2.contiguous()
     if x2.shape[0] <= MAX_ROWS:
-        return quant_cpu.quant_matmul(x2, qweight, bias)
-    return torch.cat([quant_cpu.quant_matmul(rows, qweight, bias) for rows in x2.split(MAX_ROWS)])
+        return quant_cpu.run_quant_matmul(lib, x2, qweight, bias, x2.dtype, act)
+    return torch.cat([quant_cpu.run_quant_matmul(lib, rows, qweight, bias, x2.dtype, act)
+                      for rows in x2.split(MAX_ROWS)])
+
+
+_CPU_DTYPES = (torch.bfloat16, torch.float32)
 
 
 def _cpu_kernel_applies(x2: torch.Tensor) -> bool:
-    return (x2.device.type == "cpu" and x2.dtype in (torch.bfloat16, torch.float32)
+    return (x2.device.type == "cpu" and x2.dtype in _CPU_DTYPES
             and quant_cpu.library() is not None)
