@@ -424,7 +424,9 @@ SIMD_INLINE void int_micro_kernel(const int MR, const int NR, const int fmt, con
                 wv[r] = aw[r] = words[r][0] = words[r][1] = _mm256_setzero_si256();
             }
         }
-        const __m128i headers = _mm_loadu_si128((const __m128i *)header);
+        /* Built from registers: a vector load of the four just-stored ints would stall on
+         * store forwarding every block. */
+        const __m128i headers = _mm_setr_epi32(header[0], header[1], header[2], header[3]);
         const __m128 dwv = f16x4_to_f32(headers);
         const __m128 mwv = fmt == FMT_Q4_1 ? f16x4_to_f32(_mm_srli_epi32(headers, 16))
                                            : _mm_setzero_ps();
