@@ -379,15 +379,18 @@ def _ratio(value: float, base: Row | None) -> str:
 
 def format_rows(rows: Sequence[Row], baselines: Sequence[tuple[str, Row | None]]) -> str:
     """The speed table; one ratio column per named baseline row."""
+    widths = [max(10, len(label) + 5) for label, _ in baselines]
     head = (f"{'row':<24}{'tok/s':>8}  {'[median, min-max]':<20}{'ms/tok':>8}{'TTFT ms':>9}"
-            f"{'accept':>8}" + "".join(f"{'vs ' + label:>10}" for label, _ in baselines))
+            f"{'accept':>8}" + "".join(f"{'vs ' + label:>{w}}"
+                                       for (label, _), w in zip(baselines, widths)))
     lines = [head, "-" * len(head)]
     for r in rows:
         rounds = r.round_tokens_per_s
         spread = f"[{statistics.median(rounds):.1f}, {min(rounds):.1f}-{max(rounds):.1f}]"
         lines.append(f"{r.name:<24}{r.tokens_per_s:8.1f}  {spread:<20}{r.ms_per_token:8.2f}"
                      f"{r.ttft_ms:9.1f}{r.acceptance_length:8.2f}"
-                     + "".join(f"{_ratio(r.tokens_per_s, b):>10}" for _, b in baselines))
+                     + "".join(f"{_ratio(r.tokens_per_s, b):>{w}}"
+                               for (_, b), w in zip(baselines, widths)))
     return "\n".join(lines)
 
 

@@ -6,7 +6,10 @@ and acceptance per speculation mode against no speculation, greedy at batch 1.
 
 The prompts are the draft recipe's held-out chat questions (`draft_models/chat_prompts.py`),
 which the draft never saw. "default" is the engine's own choice for the loaded pair. Rows,
-checks (identical outputs in every mode) and columns are those of `bench.compare`.
+checks (identical outputs in every mode) and columns are those of `bench.compare`. Where the
+llama.cpp peer is built (`../shared/tools/llamacpp-peer build`), a `llama.cpp` row runs the same
+GGUF file through `llama-completion` (greedy, the same threads; decode timing from its own
+eval line), interleaved with specserve's rows; `--no-llamacpp` leaves it out.
 """
 
 from __future__ import annotations
@@ -14,11 +17,15 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from pathlib import Path
 
 from specserve.draft_models.chat_prompts import HELD_OUT_PROMPTS
 
-from bench.compare import add_common_args, environment, format_rows, log, run_specserve, setup
+from bench.compare import add_common_args, environment, format_rows, log, setup, specserve_runner
+from bench.cpu_paths import PEER, llamacpp_runner, measure_decode, peer_bin
 from specserve import LLM
+
+LLAMA = "llama.cpp"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--modes", default="off,default,chain:2,chain:4,chain:6",
                         help="first one is the baseline; 'default' is the engine's choice")
+    parser.add_argument("--no-llamacpp", action="store_true")
+    parser.add_argument("--peer", type=Path, default=PEER, help="the llama.cpp peer script")
     add_common_args(parser)
     # The model as `LLM()` loads it (float32 activations for the GGUF), unless --dtype says.
     parser.set_defaults(rounds=1, dtype="auto")
@@ -41,17 +50,24 @@ def main(argv: list[str] | None = None) -> int:
                                                   tokenize=False, add_generation_prompt=True),
                           add_special_tokens=False)
                for q in HELD_OUT_PROMPTS[:args.prompts]]
-    modes = [None if m == "default" else m for m in args.modes.split(",")]
-    rows = run_specserve(llm, modes, prompts, args.max_tokens, args.rounds, args.ignore_eos,
-                         log=log)
-    for row, mode in zip(rows, args.modes.split(",")):
-        row.name = mode
+    names = args.modes.split(",")
+    runners = {name: specserve_runner(llm, None if name == "default" else name, args.max_tokens,
+                                      args.ignore_eos) for name in names}
+    bin_dir = None if args.no_llamacpp else peer_bin(args.peer)
+    gguf = llm.engine.config.target
+    if bin_dir is not None and gguf.suffix == ".gguf":
+        runners[LLAMA] = llamacpp_runner(bin_dir, gguf, None, tok, args.max_tokens, args.threads)
+    elif not args.no_llamacpp:
+        log(f"  no llama.cpp row: the peer is not built ({args.peer} build) or the target is "
+            "not a GGUF file")
+    rows = measure_decode(runners, {"specserve": names}, prompts, args.rounds)
     print(f"{llm.engine.config.target.name} + {llm.engine.config.draft}: loaded in "
           f"{load_s:.1f} s; {len(prompts)} held-out chat prompts, greedy, batch 1, up to "
           f"{args.max_tokens} tokens, {args.rounds} timed round(s); {args.threads} threads, "
           f"dtype {args.dtype}, load average {env['load_average'][0]:.2f}\n"
-          f"outputs: all {len(rows)} modes produced identical token ids\n")
-    print(format_rows(rows, [(rows[0].name, rows[0])]))
+          f"outputs: all {len(names)} modes produced identical token ids\n")
+    by_name = {row.name: row for row in rows}
+    print(format_rows(rows, [(names[0], by_name[names[0]]), (LLAMA, by_name.get(LLAMA))]))
     print(f"\nload average at the end {os.getloadavg()[0]:.2f}")
     return 0
 
