@@ -69,7 +69,7 @@ static inline int block_bytes(int fmt) { return fmt == FMT_Q8_0 ? 34 : fmt == FM
 
 /* fp16 bits -> fp32, exact for every finite value (scales are finite): the bits shifted into
  * fp32 position read as 2^-112 times the value (subnormals included), and one multiply
- * rescales. Needs no F16C, which the builds do not assume. */
+ * rescales (the portable path's conversion; the x86 paths use F16C). */
 static inline float f16_to_f32(uint16_t h) {
     const uint32_t magnitude = (uint32_t)(h & 0x7fffu) << 13;
     float f;
@@ -368,12 +368,12 @@ SIMD_INLINE __m128i sum4(__m256i a, __m256i b, __m256i c, __m256i d) {
     return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
 }
 
-/* fp16 bits in the low half of each int32 lane -> fp32, exact: f16_to_f32 on four lanes. */
+/* fp16 bits in the low half of each int32 lane -> fp32, exact (F16C: the x86 builds require
+ * it; f16_to_f32 gives the same values). */
 SIMD_INLINE __m128 f16x4_to_f32(__m128i h) {
-    const __m128i magnitude = _mm_slli_epi32(_mm_and_si128(h, _mm_set1_epi32(0x7fff)), 13);
-    const __m128 f = _mm_mul_ps(_mm_castsi128_ps(magnitude), _mm_set1_ps(0x1p112f));
-    const __m128i sign = _mm_slli_epi32(_mm_and_si128(h, _mm_set1_epi32(0x8000)), 16);
-    return _mm_or_ps(f, _mm_castsi128_ps(sign));
+    const __m128i low_halves = _mm_shuffle_epi8(
+        h, _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1));
+    return _mm_cvtph_ps(low_halves);
 }
 
 /* The first four header bytes of a block as one int32 (d's bits low, Q4_1's m's bits high). */

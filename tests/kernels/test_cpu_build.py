@@ -39,7 +39,9 @@ def test_default_is_the_best_isa_the_cpu_supports(isa_env):
     assert cpu_build.selected_isa() == "avx512"
     isa_env("", {"avx2", "fma", "f16c", "avx"})
     assert cpu_build.selected_isa() == "avx2"
-    isa_env("auto", {"avx2"})  # AVX2 without FMA is not enough
+    isa_env("auto", {"avx2", "f16c"})  # AVX2 without FMA is not enough
+    assert cpu_build.selected_isa() == "portable"
+    isa_env("auto", {"avx2", "fma"})  # nor without F16C
     assert cpu_build.selected_isa() == "portable"
 
 
@@ -48,7 +50,7 @@ def test_a_forced_isa_is_used_or_refused(isa_env):
     assert cpu_build.selected_isa() == "avx2"
     isa_env("torch", AVX512_FLAGS)
     assert cpu_build.selected_isa() == "torch" and cpu_build.library() is None
-    isa_env("avx512", {"avx2", "fma"})
+    isa_env("avx512", {"avx2", "fma", "f16c"})
     with pytest.raises(RuntimeError, match="avx512_bf16"):
         cpu_build.selected_isa()
     isa_env("sse9", AVX512_FLAGS)
