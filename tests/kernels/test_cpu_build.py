@@ -8,6 +8,7 @@ import shutil
 import subprocess
 
 import pytest
+
 from specserve.kernels import cpu_build
 
 
