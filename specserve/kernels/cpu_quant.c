@@ -383,11 +383,19 @@ SIMD_INLINE int32_t header_bits(const uint8_t *b) {
     return v;
 }
 
-/* The 32 weights of a block as int16, in k order (weights 0..15, then 16..31). */
-SIMD_INLINE void block_words(const int fmt, __m256i bytes, __m256i words[2]) {
-    const __m128i low = _mm256_castsi256_si128(bytes), high = _mm256_extracti128_si256(bytes, 1);
-    words[0] = fmt == FMT_Q8_0 ? _mm256_cvtepi8_epi16(low) : _mm256_cvtepu8_epi16(low);
-    words[1] = fmt == FMT_Q8_0 ? _mm256_cvtepi8_epi16(high) : _mm256_cvtepu8_epi16(high);
+/* The 32 weights of block b as int16, in k order (weights 0..15, then 16..31), widened straight
+ * from memory: a 4-bit block's 16 bytes widen once, and each int16 lane (one byte, 0..255)
+ * splits into its low nibble (weight j) and its high nibble (weight j + 16). */
+SIMD_INLINE void block_words(const uint8_t *b, const int fmt, __m256i words[2]) {
+    if (fmt == FMT_Q8_0) {
+        words[0] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 2)));
+        words[1] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 18)));
+        return;
+    }
+    const __m256i bytes = _mm256_cvtepu8_epi16(
+        _mm_loadu_si128((const __m128i *)(b + (fmt == FMT_Q4_0 ? 2 : 4))));
+    words[0] = _mm256_and_si256(bytes, _mm256_set1_epi16(0x0f));
+    words[1] = _mm256_srli_epi16(bytes, 4);
 }
 
 /* Eight int32 partial sums of xq * w over one block of int16 activations (x: 32 of them); no
@@ -416,9 +424,12 @@ SIMD_INLINE void int_micro_kernel(const int MR, const int NR, const int fmt, con
                 /* The tiles' rows are consecutive in memory, each only a few blocks long: too
                  * short a stream for the hardware prefetchers, so fetch the next tile's block. */
                 __builtin_prefetch(b + 4 * c->row_bytes);
-                wv[r] = block_bytes_vec(b, fmt);
-                if (act == ACT_Q16) block_words(fmt, wv[r], words[r]);
-                else aw[r] = fmt == FMT_Q8_0 ? _mm256_sign_epi8(wv[r], wv[r]) : wv[r];
+                if (act == ACT_Q16) {
+                    block_words(b, fmt, words[r]);
+                } else {
+                    wv[r] = block_bytes_vec(b, fmt);
+                    aw[r] = fmt == FMT_Q8_0 ? _mm256_sign_epi8(wv[r], wv[r]) : wv[r];
+                }
                 header[r] = header_bits(b);
             } else {
                 wv[r] = aw[r] = words[r][0] = words[r][1] = _mm256_setzero_si256();
