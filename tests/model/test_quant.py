@@ -55,8 +55,9 @@ def test_decode_rows_take_the_cpu_kernel(tiny_target, monkeypatch):
     if quant_cpu.library() is None:
         pytest.skip("no C kernel build on this machine")
     calls = []
-    real = quant_cpu.quant_matmul
-    monkeypatch.setattr(quant_cpu, "quant_matmul", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = quant_cpu.run_quant_matmul  # the C call, after quant_linear's checks
+    monkeypatch.setattr(quant_cpu, "run_quant_matmul",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
     model = load_model(tiny_target, dtype="float32", quantization="int8")
     _logits(model, [5, 6, 7])
     assert len(calls) == 2 * 4
