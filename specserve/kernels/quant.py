@@ -44,30 +44,31 @@ def quant_linear(x: torch.Tensor, qweight: QuantizedWeight, bias: torch.Tensor |
         from .quant_triton import quant_matmul_triton
 
         out = quant_matmul_triton(x2, qweight, bias)
-    elif impl == "cpu" or (impl == "auto" and _cpu_kernel_applies(x2)):
-        out = _cpu_in_calls(x2, qweight, bias)
+    elif impl in ("cpu", "auto") and (lib := _cpu_library(x2)) is not None:
+        out = _cpu_in_calls(lib, x2, qweight, bias)
+    elif impl == "cpu":
+        out = quant_cpu.quant_matmul(x2, qweight, bias)  # raises, naming what does not fit
     else:
         out = quant_linear_reference(x2, qweight, bias)
     return out.reshape(*lead, n)
 
 
-def _cpu_in_calls(x2: torch.Tensor, qweight: QuantizedWeight, bias: torch.Tensor | None
+_CPU_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def _cpu_library(x2: torch.Tensor):
+    """The C kernel library when it can take x2 (CPU, bf16 or fp32), else None."""
+    if x2.device.type != "cpu" or x2.dtype not in _CPU_DTYPES:
+        return None
+    return quant_cpu.library()
+
+
+def _cpu_in_calls(lib, x2: torch.Tensor, qweight: QuantizedWeight, bias: torch.Tensor | None
                   ) -> torch.Tensor:
-    """The C kernel, checked once here rather than per call (a decode step makes seven calls
+    """The C kernel, its inputs checked once, in quant_linear (a decode step makes four calls
     per layer, each a few tens of microseconds)."""
-    lib, act = quant_cpu.library(), quant_cpu.activation_format()
-    if lib is None or x2.dtype not in _CPU_DTYPES or x2.device.type != "cpu":
-        return quant_cpu.quant_matmul(x2, qweight, bias)  # raises, naming what is wrong
-    x2 = x2.contiguous()
+    act, x2 = quant_cpu.activation_format(), x2.contiguous()
     if x2.shape[0] <= MAX_ROWS:
         return quant_cpu.run_quant_matmul(lib, x2, qweight, bias, x2.dtype, act)
     return torch.cat([quant_cpu.run_quant_matmul(lib, rows, qweight, bias, x2.dtype, act)
                       for rows in x2.split(MAX_ROWS)])
-
-
-_CPU_DTYPES = (torch.bfloat16, torch.float32)
-
-
-def _cpu_kernel_applies(x2: torch.Tensor) -> bool:
-    return (x2.device.type == "cpu" and x2.dtype in _CPU_DTYPES
-            and quant_cpu.library() is not None)
