@@ -39,7 +39,6 @@ import json
 import re
 import statistics
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 
@@ -48,10 +47,8 @@ import torch.nn.functional as F
 
 from bench.compare import (
     Row,
-    Sample,
     add_common_args,
     chat_prompts,
-    check_outputs,
     environment,
     held_out_questions,
     load_pair,
@@ -59,6 +56,7 @@ from bench.compare import (
     setup,
     specserve_runner,
 )
+from bench.cpu_paths import PEER, llamacpp_runner, measure_decode, peer_bin
 from bench.roofline import measure_read_bandwidth
 from specserve import LLM, SamplingParams
 from specserve.llm import demo_pair
@@ -66,8 +64,6 @@ from specserve.model.loader import load_model, load_tokenizer
 from specserve.model.runner import ModelRunner, Segment
 
 QUANTIZATIONS = ("bf16", "int8", "int4")
-PEER = Path("/work/shared/tools/llamacpp-peer")
-EVAL_TIME = re.compile(r"(?<!prompt )\beval time =\s*([\d.]+) ms /\s*(\d+) runs")
 
 
 def _quantization(name: str) -> str | None:
@@ -75,29 +71,6 @@ def _quantization(name: str) -> str | None:
 
 
 # ---- speed ----------------------------------------------------------------------------------
-def llamacpp_runner(binary: Path, gguf: Path, tokenizer, max_tokens: int, threads: int):
-    """Runs one prompt through llama-completion; a Sample with decode-only timing."""
-
-    def run(prompt: list[int]) -> Sample:
-        with tempfile.NamedTemporaryFile("w", suffix=".txt") as f:
-            f.write(tokenizer.decode(prompt) + "\n")  # -f strips one trailing newline
-            f.flush()
-            done = subprocess.run(
-                [str(binary), "-m", str(gguf), "-f", f.name, "-n", str(max_tokens),
-                 "-t", str(threads), "-tb", str(threads), "--temp", "0", "--top-k", "1",
-                 "-no-cnv", "--no-warmup", "-c", "1024"],
-                capture_output=True, text=True, check=True, stdin=subprocess.DEVNULL)
-        found = EVAL_TIME.search(done.stderr)
-        if found is None:
-            raise RuntimeError(f"no eval timing in llama-completion's output:\n"
-                               f"{done.stderr[-2000:]}")
-        ms, runs = float(found[1]), int(found[2])
-        # Sample's decode time is e2e - ttft over len(token_ids) - 1 tokens: runs + 1 ids.
-        return Sample(list(range(runs + 1)), ms / 1e3, 0.0, runs + 1)
-
-    return run
-
-
 def measure_speed(args, prompts: list[list[int]], pair, ggufs: dict[str, Path]) -> list[Row]:
     runners, groups = {}, {}
     for q in QUANTIZATIONS:
@@ -107,28 +80,15 @@ def measure_speed(args, prompts: list[list[int]], pair, ggufs: dict[str, Path]) 
             runners[name] = specserve_runner(llm, mode, args.max_tokens, args.ignore_eos)
             groups.setdefault(q, []).append(name)
     if ggufs:
-        binary = Path(subprocess.run([str(PEER), "bin"], capture_output=True, text=True,
-                                     check=True).stdout.strip()) / "llama-completion"
+        bin_dir = peer_bin(PEER)
+        if bin_dir is None:
+            raise RuntimeError(f"llama.cpp GGUFs given but the peer is not built ({PEER} build)")
         tokenizer = load_tokenizer(pair.target)
         for label, path in ggufs.items():
-            runners[f"llama.cpp {label}"] = llamacpp_runner(binary, path, tokenizer,
+            runners[f"llama.cpp {label}"] = llamacpp_runner(bin_dir, path, None, tokenizer,
                                                             args.max_tokens, args.threads)
-    log(f"  warm-up and equality check: {len(runners)} rows x {len(prompts)} prompts")
-    checked = {name: [run(list(p)).token_ids for p in prompts] for name, run in runners.items()}
-    for names in groups.values():  # speculation changes nothing within one quantization
-        check_outputs({n: checked[n] for n in names})
-    names = list(runners)
-    samples: dict[str, list[list[Sample]]] = {n: [] for n in names}
-    for r in range(args.rounds):
-        start = time.perf_counter()
-        for n in names:
-            samples[n].append([])
-        for i, prompt in enumerate(prompts):
-            shift = (r + i) % len(names)
-            for n in names[shift:] + names[:shift]:
-                samples[n][r].append(runners[n](list(prompt)))
-        log(f"  round {r + 1}/{args.rounds}: {time.perf_counter() - start:.1f} s")
-    return [Row(n, samples[n]) for n in names]
+    # Speculation changes nothing within one quantization: each group's outputs are checked.
+    return measure_decode(runners, groups, prompts, args.rounds)
 
 
 def format_speed(rows: list[Row]) -> str:
