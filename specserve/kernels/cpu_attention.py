@@ -37,9 +37,9 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> b
 
 
 def paged_attention_cpu(
-    q: torch.Tensor,  # [T, Hq, D] bf16
-    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D] bf16, contiguous
-    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D] bf16, contiguous
+    q: torch.Tensor,  # [T, Hq, D] bf16 or fp32
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D] q's dtype, contiguous
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D] q's dtype, contiguous
     block_tables: torch.Tensor,  # [B, max_blocks] int32
     query_start_loc: torch.Tensor,  # [B + 1] int32
     context_lens: torch.Tensor,  # [B] int32
@@ -48,7 +48,7 @@ def paged_attention_cpu(
     max_query_len: int,
     *,
     checked: bool = False,  # the caller found unsupported(q, k_cache, v_cache) None already
-) -> torch.Tensor:  # [T, Hq, D] bf16
+) -> torch.Tensor:  # [T, Hq, D] q's dtype
     """Runs once per layer per step: a few attribute checks (once: see `checked`), then one C
     call (no tensor ops beyond the output allocation; each costs microseconds on CPU)."""
     reason = None if checked else unsupported(q, k_cache, v_cache)

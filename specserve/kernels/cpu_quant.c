@@ -69,7 +69,8 @@ static inline int block_bytes(int fmt) { return fmt == FMT_Q8_0 ? 34 : fmt == FM
 
 /* fp16 bits -> fp32, exact for every finite value (scales are finite): the bits shifted into
  * fp32 position read as 2^-112 times the value (subnormals included), and one multiply
- * rescales (the portable path's conversion; the x86 paths use F16C). */
+ * rescales. The portable path and the fp32-activation path's per-row scales use it; the
+ * integer path's four-lane conversion (f16x4_to_f32) uses F16C. */
 static inline float f16_to_f32(uint16_t h) {
     const uint32_t magnitude = (uint32_t)(h & 0x7fffu) << 13;
     float f;

@@ -8,10 +8,10 @@ PyTorch reference); tests pass `isa=` to run every path this CPU supports.
   q16   (default) quantized once per call to 16-bit blocks (int16 and an fp32 scale per 32
         values, error at most amax / 65534 of the block: finer than bf16 rounds the block's
         largest values), then integer dot products per block (AVX2: two madds per 32 weights,
-        the weights widened to int16 once). 2x the fp32 path's speed at one row, and 1.2-1.5x
-        at 2-16 rows, on SmolLM2-135M's Q4_1 layers read from memory. On SmolLM2-135M-Instruct
-        (the default model) 16 of 17 greedy chat replies of 48 tokens were identical to fp32's
-        (the other split at a near-tie). Model: quant_reference.quant_linear_int_reference.
+        the weights widened to int16 straight from memory). At one row, weights from memory:
+        1.3-2.1x the fp32 path's speed on Q8_0 and 1.7-4.3x on 4-bit blocks (bench/RESULTS.md).
+        On SmolLM2-135M-Instruct (the default model) 17 of 17 greedy chat replies of 48 tokens
+        were identical to fp32's. Model: quant_reference.quant_linear_int_reference.
   q8    the same with 8-bit blocks (as llama.cpp's q8_0 products): 32 products cost two AVX2
         instructions, but the activation rounding is 258x coarser: on the default model it
         turned the greedy answer to "What is the capital of France?" from "The capital of
@@ -27,10 +27,11 @@ import os
 import torch
 
 from . import cpu_build
-from .quant_reference import QuantizedWeight
+from .quant_reference import ACTIVATION_INTS, QuantizedWeight
 
 ACTIVATIONS = ("q16", "q8", "fp32")
-_ACT_BITS = {"q8": 8, "q16": 16}
+# The integer formats' widths, as quant_matmul_int takes them.
+_ACT_BITS = {act: torch.iinfo(dtype).bits for act, (_, dtype) in ACTIVATION_INTS.items()}
 
 
 def activation_format() -> str:

@@ -154,7 +154,7 @@ def _use_file_head(model: nn.Module, tensors: Mapping) -> list[str]:
     fmt = FORMATS[found.ggml_type.name]
     rows = found.raw[head.vocab_start:head.vocab_start + head.shard_size]
     blocks = torch.zeros(head.shard_size, found.raw.shape[1], dtype=torch.uint8)  # [rows, bytes]
-    blocks[:len(rows)] = torch.from_numpy(np.array(rows))  # padding rows: zero
+    blocks.numpy()[:len(rows)] = rows  # one copy from the file; padding rows stay zero
     head.file_head = QuantizedLinear(QuantizedWeight(fmt, blocks, (head.shard_size,
                                                                    found.shape[1])), None)
     return ["embed_tokens" if tied else "lm_head"]
