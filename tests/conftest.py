@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 import pytest
 
+from specserve.kernels import cpu_build
 from tests.tiny_models import save_model
 
 
@@ -24,3 +27,19 @@ def tiny_target(model_dir: Path) -> Path:
 def tiny_draft(model_dir: Path) -> Path:
     """A 1-layer Llama with a different random init: a poor but valid draft for tiny_target."""
     return save_model(model_dir / "draft", "llama", seed=1, num_hidden_layers=1)
+
+
+@pytest.fixture(params=[isa for isa in cpu_build.ISAS if isa != "torch"])
+def cpu_isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each C-kernel path of cpu_build (avx512, avx2, portable), forced through
+    SPECSERVE_CPU_ISA; skipped where this CPU cannot run it or no C compiler exists."""
+    isa = request.param
+    if isa not in cpu_build.supported_isas():
+        pytest.skip(f"this CPU cannot run the {isa} kernels")
+    if shutil.which(os.environ.get("CC", "cc")) is None:
+        pytest.skip("no C compiler")
+    monkeypatch.setenv("SPECSERVE_CPU_ISA", isa)
+    cpu_build.selected_isa.cache_clear()
+    request.addfinalizer(cpu_build.selected_isa.cache_clear)
+    assert cpu_build.library() is not None, f"the {isa} kernels failed to build"
+    return isa

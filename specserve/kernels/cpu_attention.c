@@ -26,6 +26,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_kernels.h"
 #include "cpu_simd.h"
 
 #define PARALLEL_MIN_MACS (1 << 20) /* q.k multiply-adds below which one thread does it all */

@@ -70,6 +70,10 @@ KERNELS: dict[str, dict[str, Signature]] = {
         "rms_norm_rows": ([_p] * 3 + [_i64] * 2 + [_f32, _i32], None),
         "rotary_rows": ([_p] + [_i64] * 4 + [_p] * 2 + [_i64, _p, _i32], ctypes.c_int),
     },
+    "cpu_decoder.c": {
+        "decoder_layers": ([_p] * 3 + [_i32], ctypes.c_int),
+        "silu_mul_rows": ([_p] * 2 + [_i64] * 2 + [_i32], None),
+    },
     "cpu_quant.c": {
         "quant_matmul": ([_p, _i32, _p, _i32, _p, _p, _i32] + [_i64] * 3 + [_i32], ctypes.c_int),
         "quant_matmul_int": ([_p, _i32, _p, _i32, _p, _p, _i32] + [_i64] * 3 + [_i32, _i32],

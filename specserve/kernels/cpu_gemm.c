@@ -26,6 +26,7 @@
 #include <string.h>
 
 #include "cpu_dot_order.h"
+#include "cpu_kernels.h"
 #include "cpu_simd.h"
 
 /* Register tile: TILE_MR activation rows x TILE_NR weight rows, TILE_MR x TILE_NR x DOT_U

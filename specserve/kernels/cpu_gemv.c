@@ -39,6 +39,7 @@
 #include <stdlib.h>
 
 #include "cpu_dot_order.h"
+#include "cpu_kernels.h"
 #include "cpu_simd.h"
 
 /* Blocking per ISA, from its register file: AVX-512 has 32 vector registers, AVX2 16 (a dot_acc

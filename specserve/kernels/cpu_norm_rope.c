@@ -14,6 +14,7 @@
 #include <stdint.h>
 
 #include "cpu_bf16.h"
+#include "cpu_kernels.h"
 
 static inline __attribute__((always_inline)) float load(const void *p, int64_t i, const int f32) {
     return f32 ? ((const float *)p)[i] : bf16_to_f32(((const uint16_t *)p)[i]);

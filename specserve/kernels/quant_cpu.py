@@ -42,6 +42,11 @@ def activation_format() -> str:
     return act
 
 
+def activation_bits(act: str) -> int:
+    """The width quant_matmul_int takes for act (one of ACTIVATIONS); 0 for fp32."""
+    return 0 if act == "fp32" else _ACT_BITS[act]
+
+
 def library(isa: str | None = None):
     """The kernel library of isa (default: the selected ISA), or None (torch path)."""
     return cpu_build.library_for(isa or cpu_build.selected_isa())

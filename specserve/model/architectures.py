@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ..distributed import WHOLE, TPShard
+from . import cpu_stack
 from .attention import AttentionMetadata, PagedAttention
 from .layers import GatedMLP, RMSNorm, RotaryEmbedding
 from .parallel import (
@@ -215,9 +216,16 @@ class DecoderLM(nn.Module):
             if target_hidden is None:
                 raise ValueError("this draft reads the target's hidden states; none were given")
             x = self.fc(torch.cat([x, target_hidden.to(x.dtype)], dim=-1))  # [T, 2H] -> [T, H]
+        stacked = cpu_stack.run_layers(self, x, positions, kv_cache, meta)
+        if stacked is not None:
+            return self.norm(stacked)
         for i, layer in enumerate(self.layers):
             x = layer(x, positions, self.rotary, kv_cache[i], meta)
         return self.norm(x)
+
+    def _apply(self, fn, recurse: bool = True):
+        cpu_stack.forget(self)  # it points into the weights, which may move
+        return super()._apply(fn, recurse)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden [N, H] -> logits [N, vocab] in float32 (-inf outside a reduced head's tokens);

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..distributed import WHOLE, TPShard
-from ..kernels import cpu_norm_rope
+from ..kernels import cpu_decoder, cpu_norm_rope
 from .parallel import ColumnParallelLinear, RowParallelLinear, even_range
 
 
@@ -79,5 +79,9 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, dtype, shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)  # [T, 2I]
+        activated = cpu_decoder.silu_mul(gate_up) if gate_up.dim() == 2 else None  # in C
+        if activated is None:
+            gate, up = gate_up.chunk(2, dim=-1)
+            activated = F.silu(gate) * up
+        return self.down_proj(activated)

@@ -16,13 +16,10 @@ from __future__ import annotations
 
 import importlib
 import os
-import shutil
 import sys
 
 import pytest
 import torch
-
-from specserve.kernels import cpu_build
 
 
 def _interpreter_unavailable() -> str | None:
@@ -63,19 +60,3 @@ def device(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> s
         pytest.skip("needs a CUDA device")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     return "cuda"
-
-
-@pytest.fixture(params=[isa for isa in cpu_build.ISAS if isa != "torch"])
-def cpu_isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Each C-kernel path of cpu_build (avx512, avx2, portable), forced through
-    SPECSERVE_CPU_ISA; skipped where this CPU cannot run it or no C compiler exists."""
-    isa = request.param
-    if isa not in cpu_build.supported_isas():
-        pytest.skip(f"this CPU cannot run the {isa} kernels")
-    if shutil.which(os.environ.get("CC", "cc")) is None:
-        pytest.skip("no C compiler")
-    monkeypatch.setenv("SPECSERVE_CPU_ISA", isa)
-    cpu_build.selected_isa.cache_clear()
-    request.addfinalizer(cpu_build.selected_isa.cache_clear)
-    assert cpu_build.library() is not None, f"the {isa} kernels failed to build"
-    return isa

@@ -52,8 +52,10 @@ def test_bf16_model_quantizes_too(tmp_path):
 
 
 def test_decode_rows_take_the_cpu_kernel(tiny_target, monkeypatch):
+    """Layer by layer (the whole stack in C calls the same kernel from C: test_cpu_stack)."""
     if quant_cpu.library() is None:
         pytest.skip("no C kernel build on this machine")
+    monkeypatch.setenv("SPECSERVE_CPU_STACK", "0")
     calls = []
     real = quant_cpu.run_quant_matmul  # the C call, after quant_linear's checks
     monkeypatch.setattr(quant_cpu, "run_quant_matmul",

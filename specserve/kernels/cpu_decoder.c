@@ -1,0 +1,176 @@
+/* A stack of decoder layers over a few rows in one call: the CPU decode and verify step.
+ *
+ * Run from Python, a layer is about fifteen tensor operations (two norms, four products, the
+ * rotary embedding, the KV store, attention, two residual adds, the gated activation), and on
+ * a 2-core CPU each costs 5-20 us of dispatch before any arithmetic: 0.3-0.5 ms per layer,
+ * as much as a small model's products. `decoder_layers` runs every layer of the stack in one
+ * call, each step through the kernel the Python path calls for it (rms_norm_rows, gemv_bf16 /
+ * gemm_bf16 or quant_matmul[_int], rotary_rows, store_kv_rows, paged_attention,
+ * silu_mul_rows) and the residual adds rounded as torch's adds round, so the stack gives the
+ * same bits as specserve/model/architectures.py's layers on the C kernels (the tests compare
+ * the two) and keeps their row-count invariance.
+ *
+ * Per layer, x [T, H] the residual stream (updated in place), in the activations' dtype:
+ *   h = rms_norm(x) ; qkv = h Wqkv^T (+ b) ; rotate q, k ; store k, v ; a = attention(q)
+ *   x = x + a Wo^T ; h = rms_norm(x) ; g = h Wgu^T ; x = x + (silu(g[:I]) * g[I:]) Wd^T
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_bf16.h"
+#include "cpu_kernels.h"
+
+enum { LINEAR_BF16 = 0, LINEAR_QUANT = 1 };
+
+/* One projection: y [T, n] = x [T, k] W^T (+ bias). */
+typedef struct {
+    int32_t kind;       /* LINEAR_BF16: weight bf16 [n, k]; LINEAR_QUANT: GGUF blocks [n, .] */
+    int32_t fmt;        /* the block format (cpu_quant.c's FMT_*) of a LINEAR_QUANT weight */
+    const void *weight;
+    const void *bias;   /* [n] in the activations' dtype, or NULL */
+    int64_t n, k;
+} linear_desc;
+
+typedef struct {
+    const void *input_norm, *post_norm; /* [H] in the activations' dtype */
+    linear_desc qkv, o, gate_up, down;  /* qkv rows: q heads, k heads, v heads; gate_up: gate, up */
+} layer_desc;
+
+typedef struct {
+    const layer_desc *layers;
+    int64_t num_layers, hidden, intermediate, num_heads, num_kv_heads, head_dim;
+    float eps, scale;                    /* RMSNorm epsilon; softmax scale */
+    const float *cos, *sin;              /* rotary tables [max_positions, head_dim / 2] fp32 */
+    int64_t max_positions;
+    int32_t f32;                         /* activations fp32 (else bf16) */
+    int32_t gemm_min_rows;               /* bf16 products of this many rows take gemm_bf16 */
+} decoder_desc;
+
+/* One forward's inputs, as paged_attention and store_kv_rows take them. */
+typedef struct {
+    const int64_t *positions, *slot_mapping;  /* [T] */
+    const int32_t *block_tables;              /* [B, max_blocks] */
+    const int32_t *query_start_loc;           /* [B + 1] */
+    const int32_t *context_lens;              /* [B] */
+    const uint8_t *local_mask;                /* [T, max_query_len], or NULL: causal */
+    int64_t T, num_requests, max_blocks, max_query_len;
+    void *kv_cache;                           /* [L, 2, num_blocks, block_size, Hkv, D] */
+    int64_t num_blocks, block_size;
+    int32_t act_bits;                         /* quantized products: 0 fp32 activations, 8, 16 */
+} step_desc;
+
+static inline __attribute__((always_inline)) float load(const void *p, int64_t i, const int f32) {
+    return f32 ? ((const float *)p)[i] : bf16_to_f32(((const uint16_t *)p)[i]);
+}
+
+static inline __attribute__((always_inline)) void save(void *p, int64_t i, float v, const int f32) {
+    if (f32) ((float *)p)[i] = v;
+    else ((uint16_t *)p)[i] = f32_to_bf16(v);
+}
+
+static inline __attribute__((always_inline)) void silu_mul_body(const void *gate_up, void *y,
+                                                                 int64_t T, int64_t I,
+                                                                 const int f32) {
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t i = 0; i < I; i++) {
+            const float g = load(gate_up, t * 2 * I + i, f32);
+            const float silu = g / (1.0f + expf(-g));
+            /* torch's silu returns the activations' dtype: round before the product. */
+            const float a = f32 ? silu : bf16_to_f32(f32_to_bf16(silu));
+            save(y, t * I + i, a * load(gate_up, t * 2 * I + I + i, f32), f32);
+        }
+}
+
+/* y [T, I] = silu(gate) * up, gate_up [T, 2I] (gate then up in each row); bf16, or fp32 when
+ * f32. As torch's F.silu(gate) * up: silu in fp32 (g / (1 + e^-g); expf may differ from
+ * torch's vectorised exp in the last bit), rounded to the dtype, the product rounded again. */
+void silu_mul_rows(const void *gate_up, void *y, int64_t T, int64_t I, int f32) {
+    if (f32) silu_mul_body(gate_up, y, T, I, 1);
+    else silu_mul_body(gate_up, y, T, I, 0);
+}
+
+/* x += y over n values, each sum rounded to the dtype once (as torch's add). */
+static void add_in_place(void *x, const void *y, int64_t n, const int f32) {
+    if (f32) {
+        float *a = x;
+        const float *b = y;
+        for (int64_t i = 0; i < n; i++) a[i] = a[i] + b[i];
+    } else {
+        uint16_t *a = x;
+        const uint16_t *b = y;
+        for (int64_t i = 0; i < n; i++) a[i] = f32_to_bf16(bf16_to_f32(a[i]) + bf16_to_f32(b[i]));
+    }
+}
+
+static int project(const decoder_desc *m, const step_desc *s, const linear_desc *w,
+                   const void *x, void *y, int num_threads) {
+    const int64_t T = s->T;
+    if (w->kind == LINEAR_BF16)
+        return (T >= m->gemm_min_rows ? gemm_bf16 : gemv_bf16)(x, w->weight, w->bias, NULL, y,
+                                                               T, w->n, w->k, num_threads);
+    if (s->act_bits == 0)
+        return quant_matmul(x, !m->f32, w->weight, w->fmt, w->bias, y, !m->f32, T, w->n, w->k,
+                            num_threads);
+    return quant_matmul_int(x, !m->f32, w->weight, w->fmt, w->bias, y, !m->f32, T, w->n, w->k,
+                            s->act_bits, num_threads);
+}
+
+/* Runs every layer of m over x [T, hidden] (bf16, or fp32 when m->f32), in place. Returns 0;
+ * -1 when a buffer cannot be allocated, -2 for a position outside the rotary tables, -3 for
+ * a slot past the cache (the last two checked before anything is written). */
+int decoder_layers(const decoder_desc *m, const step_desc *s, void *x, int num_threads) {
+    const int f32 = m->f32;
+    const size_t elem = f32 ? sizeof(float) : sizeof(uint16_t);
+    const int64_t T = s->T, H = m->hidden, D = m->head_dim, I = m->intermediate;
+    const int64_t q_len = m->num_heads * D, kv_len = m->num_kv_heads * D;
+    const int64_t qkv_len = q_len + 2 * kv_len;
+    const int64_t num_slots = s->num_blocks * s->block_size;
+    const int64_t cache_len = num_slots * kv_len; /* one K (or V) cache, in values */
+    for (int64_t t = 0; t < T; t++) {
+        if (s->positions[t] < 0 || s->positions[t] >= m->max_positions) return -2;
+        if (s->slot_mapping[t] >= num_slots) return -3;
+    }
+    /* Scratch, each part in values: h [T, H], qkv [T, qkv_len], q and a [T, q_len],
+     * p [T, H], g [T, 2I], act [T, I]. */
+    const int64_t sizes[7] = {T * H, T * qkv_len, T * q_len, T * q_len, T * H, T * 2 * I, T * I};
+    char *parts[7];
+    size_t total = 0;
+    for (int i = 0; i < 7; i++) total += ((size_t)sizes[i] * elem + 63) / 64 * 64;
+    char *buf = aligned_alloc(64, total);
+    if (!buf) return -1;
+    for (int i = 0, at = 0; i < 7; at += (int)(((size_t)sizes[i] * elem + 63) / 64 * 64), i++)
+        parts[i] = buf + at;
+    char *h = parts[0], *qkv = parts[1], *q = parts[2], *a = parts[3], *p = parts[4];
+    char *g = parts[5], *act = parts[6];
+    int status = 0;
+    for (int64_t l = 0; l < m->num_layers && status == 0; l++) {
+        const layer_desc *layer = &m->layers[l];
+        char *k_cache = (char *)s->kv_cache + (size_t)(2 * l) * cache_len * elem;
+        char *v_cache = k_cache + (size_t)cache_len * elem;
+        rms_norm_rows(x, layer->input_norm, h, T, H, m->eps, f32);
+        if ((status = project(m, s, &layer->qkv, h, qkv, num_threads))) break;
+        rotary_rows(qkv, T, qkv_len, m->num_heads + m->num_kv_heads, D, m->cos, m->sin,
+                    m->max_positions, s->positions, f32);
+        store_kv_rows(qkv + q_len * elem, qkv + (q_len + kv_len) * elem, qkv_len, k_cache,
+                      v_cache, s->slot_mapping, T, kv_len, num_slots, (int64_t)elem);
+        for (int64_t t = 0; t < T; t++) /* attention reads q [T, Hq, D] contiguous */
+            memcpy(q + t * q_len * elem, qkv + t * qkv_len * elem, (size_t)q_len * elem);
+        if ((status = paged_attention(q, k_cache, v_cache, f32, s->block_tables, s->max_blocks,
+                                      s->query_start_loc, s->context_lens, s->local_mask,
+                                      s->max_query_len, s->num_requests, m->num_heads,
+                                      m->num_kv_heads, D, s->block_size, m->scale, a,
+                                      num_threads)))
+            break;
+        if ((status = project(m, s, &layer->o, a, p, num_threads))) break;
+        add_in_place(x, p, T * H, f32);
+        rms_norm_rows(x, layer->post_norm, h, T, H, m->eps, f32);
+        if ((status = project(m, s, &layer->gate_up, h, g, num_threads))) break;
+        silu_mul_rows(g, act, T, I, f32);
+        if ((status = project(m, s, &layer->down, act, p, num_threads))) break;
+        add_in_place(x, p, T * H, f32);
+    }
+    free(buf);
+    return status ? -1 : 0;
+}

@@ -1,0 +1,200 @@
+"""A stack of decoder layers in one C call (cpu_decoder.c), and the gated activation alone.
+
+`DecoderStack` holds what `decoder_layers` reads: every layer's norms and projections (bf16
+weights or GGUF blocks), the attention shape and the rotary tables. It is built once per model
+from its weights (see specserve/model/cpu_stack.py) and then runs whole forwards of a few rows:
+decode, verify, short prompt chunks. Each layer step runs the kernel the layer-by-layer path
+calls for it, so the two give the same bits; the stack removes the Python dispatch between
+them (0.3-0.5 ms per layer on a 2-core CPU).
+
+`SPECSERVE_CPU_STACK=0` keeps the layer-by-layer path (tests and benchmarks compare the two).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass
+
+import torch
+
+from . import cpu_build, cpu_linear, cpu_norm_rope, quant_cpu
+from .quant_reference import QuantizedWeight
+
+# Rows from which a forward goes layer by layer: up to here every C path takes every product
+# (cpu_linear.INVARIANT_ROWS), and the dispatch the stack saves matters against the work.
+MAX_ROWS = cpu_linear.INVARIANT_ROWS
+
+_LINEAR_BF16, _LINEAR_QUANT = 0, 1
+_p, _i32, _i64, _f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("kind", _i32), ("fmt", _i32), ("weight", _p), ("bias", _p), ("n", _i64),
+                ("k", _i64)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("input_norm", _p), ("post_norm", _p), ("qkv", _Linear), ("o", _Linear),
+                ("gate_up", _Linear), ("down", _Linear)]
+
+
+class _Decoder(ctypes.Structure):
+    _fields_ = [("layers", ctypes.POINTER(_Layer)), ("num_layers", _i64), ("hidden", _i64),
+                ("intermediate", _i64), ("num_heads", _i64), ("num_kv_heads", _i64),
+                ("head_dim", _i64), ("eps", _f32), ("scale", _f32), ("cos", _p), ("sin", _p),
+                ("max_positions", _i64), ("f32", _i32), ("gemm_min_rows", _i32)]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [("positions", _p), ("slot_mapping", _p), ("block_tables", _p),
+                ("query_start_loc", _p), ("context_lens", _p), ("local_mask", _p),
+                ("T", _i64), ("num_requests", _i64), ("max_blocks", _i64),
+                ("max_query_len", _i64), ("kv_cache", _p), ("num_blocks", _i64),
+                ("block_size", _i64), ("act_bits", _i32)]
+
+
+Weight = torch.Tensor | QuantizedWeight
+
+
+@dataclass
+class Projection:
+    weight: Weight  # bf16 [N, K] or GGUF blocks
+    bias: torch.Tensor | None
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor  # [H]
+    post_norm: torch.Tensor  # [H]
+    qkv: Projection  # rows: q heads, k heads, v heads
+    o: Projection
+    gate_up: Projection  # rows: gate, then up
+    down: Projection
+
+
+def enabled() -> bool:
+    """False when SPECSERVE_CPU_STACK=0 (checked: 0 or 1)."""
+    value = os.environ.get("SPECSERVE_CPU_STACK", "1").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"SPECSERVE_CPU_STACK={value!r}: expected 0 or 1")
+    return value == "1"
+
+
+def library():
+    """The kernel library when the layer-by-layer path would run every op in C (switching one
+    kernel off, as tests do, switches the stack off too), else None."""
+    if cpu_linear._library() is None or cpu_norm_rope.library() is None:
+        return None
+    return cpu_build.library()
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """gate_up [T, 2I] bf16 or fp32 on CPU -> silu(gate) * up [T, I] (as torch computes it, the
+    exponential aside), or None when the kernel does not apply."""
+    lib = library()
+    if (lib is None or gate_up.device.type != "cpu" or gate_up.dim() != 2
+            or gate_up.dtype not in cpu_norm_rope.DTYPES or gate_up.shape[1] % 2):
+        return None
+    gate_up = gate_up.contiguous()
+    out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+    lib.silu_mul_rows(gate_up.data_ptr(), out.data_ptr(), out.shape[0], out.shape[1],
+                      gate_up.dtype == torch.float32)
+    return out
+
+
+class DecoderStack:
+    """Every layer of one model for `decoder_layers`; `unsupported` says why it cannot be
+    built for these weights (None when it can)."""
+
+    def __init__(self, layers: list[LayerWeights], *, num_heads: int, num_kv_heads: int,
+                 head_dim: int, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                 dtype: torch.dtype) -> None:
+        reason = self.unsupported(layers, dtype, head_dim)
+        if reason is not None:
+            raise ValueError(f"DecoderStack: {reason}")
+        self.dtype = dtype
+        self._keep: list[torch.Tensor] = [cos, sin]  # every tensor the C side points into
+        self._layers = (_Layer * len(layers))(*(self._layer(w) for w in layers))
+        first = layers[0]
+        self._desc = _Decoder(
+            ctypes.cast(self._layers, ctypes.POINTER(_Layer)), len(layers),
+            first.input_norm.shape[0], _rows(first.down.weight)[1], num_heads, num_kv_heads,
+            head_dim, eps, head_dim ** -0.5, cos.data_ptr(), sin.data_ptr(), cos.shape[0],
+            dtype == torch.float32, cpu_linear.GEMM_MIN_ROWS)
+
+    @staticmethod
+    def unsupported(layers: list[LayerWeights], dtype: torch.dtype, head_dim: int) -> str | None:
+        if not layers:
+            return "no layers"
+        if dtype not in cpu_norm_rope.DTYPES:
+            return f"activations must be bf16 or fp32, not {dtype}"
+        if head_dim % 16:
+            return f"head_dim {head_dim} must be a multiple of 16 (the attention kernel's)"
+        for w in layers:
+            for norm in (w.input_norm, w.post_norm):
+                if norm.dtype != dtype or not norm.is_contiguous() or norm.device.type != "cpu":
+                    return "the norms' weights must be contiguous CPU tensors of the dtype"
+            for proj in (w.qkv, w.o, w.gate_up, w.down):
+                weight = proj.weight
+                if isinstance(weight, QuantizedWeight):
+                    if weight.blocks.device.type != "cpu":
+                        return "quantized weights must be on the CPU"
+                elif not (weight.dtype == dtype == torch.bfloat16 and weight.is_contiguous()
+                          and weight.device.type == "cpu"):
+                    return ("dense weights run in C only as contiguous bf16 with bf16 "
+                            f"activations, not {weight.dtype} with {dtype}")
+        return None
+
+    def _layer(self, w: LayerWeights) -> _Layer:
+        self._keep += [w.input_norm, w.post_norm]
+        return _Layer(w.input_norm.data_ptr(), w.post_norm.data_ptr(),
+                      *(self._linear(p) for p in (w.qkv, w.o, w.gate_up, w.down)))
+
+    def _linear(self, proj: Projection) -> _Linear:
+        bias = None if proj.bias is None else proj.bias.to(self.dtype).contiguous()
+        weight = proj.weight
+        quantized = isinstance(weight, QuantizedWeight)
+        data = weight.blocks.contiguous() if quantized else weight
+        self._keep += [data] + ([] if bias is None else [bias])
+        n, k = _rows(weight)
+        return _Linear(_LINEAR_QUANT if quantized else _LINEAR_BF16,
+                       weight.fmt.code if quantized else 0, data.data_ptr(),
+                       None if bias is None else bias.data_ptr(), n, k)
+
+    def run(self, lib, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+            slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+            query_start_loc: torch.Tensor, context_lens: torch.Tensor,
+            local_mask: torch.Tensor | None, max_query_len: int) -> torch.Tensor:
+        """x [T, H] (the embeddings) -> the last layer's output [T, H] (x itself, updated in
+        place); kv_cache [L, 2, num_blocks, block_size, Hkv, D] contiguous, x's dtype; the
+        rest as AttentionMetadata holds it."""
+        if (x.dtype != self.dtype or kv_cache.dtype != self.dtype or not kv_cache.is_contiguous()
+                or kv_cache.shape[0] != self._desc.num_layers):
+            raise ValueError("DecoderStack.run: x and a contiguous KV cache of every layer, in "
+                             f"the stack's dtype {self.dtype}")
+        x = x.contiguous()
+        positions = positions.to(torch.int64).contiguous()
+        slots = slot_mapping.to(torch.int64).contiguous()
+        tables = block_tables.to(torch.int32).contiguous()
+        starts = query_start_loc.to(torch.int32).contiguous()
+        contexts = context_lens.to(torch.int32).contiguous()
+        mask = None if local_mask is None else local_mask.to(torch.bool).contiguous()
+        act = quant_cpu.activation_format()
+        step = _Step(positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), starts.data_ptr(),
+                     contexts.data_ptr(), None if mask is None else mask.data_ptr(), x.shape[0],
+                     contexts.shape[0], tables.shape[1], max_query_len, kv_cache.data_ptr(),
+                     kv_cache.shape[2], kv_cache.shape[3], quant_cpu.activation_bits(act))
+        status = lib.decoder_layers(ctypes.byref(self._desc), ctypes.byref(step), x.data_ptr(),
+                                    torch.get_num_threads())
+        if status == -2:
+            raise IndexError(f"rotary positions must lie in [0, {self._desc.max_positions})")
+        if status == -3:
+            raise IndexError("a KV slot is past the cache")
+        if status:
+            raise MemoryError("decoder_layers: could not allocate its buffers")
+        return x
+
+
+def _rows(weight: Weight) -> tuple[int, int]:
+    return tuple(weight.shape)

@@ -1,0 +1,134 @@
+"""The decoder's layers as one C call (model/cpu_stack.py, kernels/cpu_decoder.c) give the same
+bits as the layers run one by one on the same kernels, on every C path of this CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specserve.kernels import cpu_decoder
+from specserve.kernels.cpu_decoder import DecoderStack
+from specserve.model.loader import load_model
+from specserve.model.runner import ModelRunner, Segment
+from tests.tiny_models import save_model
+
+PROMPT = list(range(3, 23))  # 20 tokens: within cpu_decoder.MAX_ROWS, so the stack takes it
+TREE = torch.tensor([[1, 0, 0, 0, 0],  # a root and two branches of two nodes
+                     [1, 1, 0, 0, 0],
+                     [1, 1, 1, 0, 0],
+                     [1, 1, 0, 1, 0],
+                     [1, 1, 0, 1, 1]], dtype=torch.bool)
+
+
+def _steps(model) -> list[torch.Tensor]:
+    """Logits of a prompt, three decode steps, a batch of two requests (one decoding, one a
+    prompt chunk) and a tree-masked verify step."""
+    runner = ModelRunner(model, num_blocks=12, block_size=8)
+    out = runner.forward([Segment(PROMPT, range(20), 0, [0, 1, 2], [19])])
+    for i, token in enumerate([7, 8, 9]):
+        out += runner.forward([Segment([token], [20 + i], 20 + i, [0, 1, 2, 3], [0])])
+    out += runner.forward([Segment([11], [23], 23, [0, 1, 2, 3], [0]),
+                           Segment(list(range(40, 52)), range(12), 0, [5, 6], [10, 11])])
+    out += runner.forward([Segment([12, 13, 14, 15, 16], [24, 25, 26, 25, 26], 24,
+                                   [0, 1, 2, 3, 4], range(5), mask=TREE)])
+    return out
+
+
+def _compare(model, monkeypatch) -> None:
+    calls = []
+    real = DecoderStack.run
+    monkeypatch.setattr(DecoderStack, "run", lambda *a, **k: calls.append(1) or real(*a, **k))
+    stacked = _steps(model)
+    assert len(calls) == 6, "every forward of at most MAX_ROWS rows runs the stack"
+    monkeypatch.setenv("SPECSERVE_CPU_STACK", "0")
+    layered = _steps(model)
+    assert len(calls) == 6
+    for got, want in zip(stacked, layered, strict=True):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("arch,dtype,quantization", [
+    ("llama", "bfloat16", None),
+    ("qwen2", "bfloat16", None),  # q/k/v biases
+    ("llama", "float32", "int8"),
+    ("qwen2", "float32", "int4"),
+    ("llama", "bfloat16", "q4_0"),
+])
+def test_stack_equals_the_layers_one_by_one(cpu_isa, tmp_path, monkeypatch,
+                                            arch, dtype, quantization):
+    path = save_model(tmp_path / arch, arch, seed=3, num_hidden_layers=3)
+    _compare(load_model(path, dtype=dtype, quantization=quantization), monkeypatch)
+
+
+@pytest.mark.parametrize("act", ["q8", "fp32"])
+def test_stack_takes_each_activation_format(cpu_isa, tmp_path, monkeypatch, act):
+    monkeypatch.setenv("SPECSERVE_QUANT_ACT", act)
+    path = save_model(tmp_path / "m", "llama", seed=4)
+    _compare(load_model(path, dtype="float32", quantization="int8"), monkeypatch)
+
+
+def test_fp32_dense_weights_go_layer_by_layer(tiny_target, monkeypatch):
+    model = load_model(tiny_target, dtype="float32")
+    calls = []
+    monkeypatch.setattr(DecoderStack, "run", lambda *a, **k: calls.append(1))
+    _steps(model)
+    assert calls == []
+
+
+def test_many_rows_go_layer_by_layer(tiny_target, monkeypatch):
+    model = load_model(tiny_target, dtype="bfloat16")
+    calls = []
+    monkeypatch.setattr(DecoderStack, "run", lambda *a, **k: calls.append(1))
+    runner = ModelRunner(model, num_blocks=12, block_size=8)
+    rows = cpu_decoder.MAX_ROWS + 1
+    runner.forward([Segment(list(range(3, 3 + rows)), range(rows), 0, range(12), [rows - 1])])
+    assert calls == []
+
+
+def test_moving_the_model_rebuilds_the_stack(tiny_target):
+    model = load_model(tiny_target, dtype="bfloat16")
+    want = _steps(model)
+    assert "_cpu_stacks" in model.__dict__ or cpu_decoder.library() is None
+    model._apply(torch.clone)  # what .to() does: every weight in new storage
+    assert "_cpu_stacks" not in model.__dict__
+    for got, expected in zip(_steps(model), want, strict=True):
+        assert torch.equal(got, expected)
+
+
+def test_bad_positions_and_settings_are_clear_errors(tiny_target, monkeypatch):
+    if cpu_decoder.library() is None:
+        pytest.skip("no C kernel build on this machine")
+    model = load_model(tiny_target, dtype="bfloat16")
+    runner = ModelRunner(model, num_blocks=4, block_size=8)
+    with pytest.raises(IndexError, match="rotary positions"):
+        runner.forward([Segment([5], [model.spec.max_position_embeddings], 0, [0], [0])])
+    monkeypatch.setenv("SPECSERVE_CPU_STACK", "yes")
+    with pytest.raises(ValueError, match="SPECSERVE_CPU_STACK"):
+        runner.forward([Segment([5], [0], 0, [0], [0])])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_silu_mul_matches_torch(cpu_isa, dtype):
+    gate_up = (torch.randn(5, 2 * 300, generator=torch.Generator().manual_seed(0)) * 4).to(dtype)
+    got = cpu_decoder.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    want = F.silu(gate) * up
+    assert got.dtype == dtype and got.shape == want.shape
+    # expf and torch's vectorised exp may differ in the last bit, which bf16 rounding hides
+    # almost always and fp32 shows as a few ulp.
+    if dtype == torch.bfloat16:
+        torch.testing.assert_close(got, want, rtol=2 ** -7, atol=0)
+        assert (got == want).float().mean() > 0.99
+    else:
+        torch.testing.assert_close(got, want, rtol=4e-7, atol=1e-30)
+
+
+def test_stack_is_dropped_for_unsupported_weights():
+    norm = torch.ones(16, dtype=torch.bfloat16)
+    dense = cpu_decoder.Projection(torch.zeros(16, 16), None)  # fp32: F.linear's
+    layer = cpu_decoder.LayerWeights(norm, norm, dense, dense, dense, dense)
+    assert "bf16" in DecoderStack.unsupported([layer], torch.bfloat16, 16)
+    with pytest.raises(ValueError, match="DecoderStack"):
+        DecoderStack([layer], num_heads=1, num_kv_heads=1, head_dim=16, eps=1e-6,
+                     cos=torch.ones(4, 8), sin=torch.zeros(4, 8), dtype=torch.bfloat16)
