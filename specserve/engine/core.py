@@ -66,7 +66,7 @@ class EngineCore:
                                     if self.draft else []))
 
         cache = config.cache
-        dtype = next(self.target.parameters()).dtype
+        dtype = self.target.dtype
         per_block = kv_bytes_per_block(self.target, cache.block_size, dtype)
         if self.draft is not None:
             per_block += kv_bytes_per_block(self.draft, cache.block_size, dtype)

@@ -200,6 +200,11 @@ class DecoderLM(nn.Module):
             norm.weight.data = norm.weight.data.to(dtype)
             norm.weight.requires_grad_(False)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The layers' dtype: activations, KV cache (a shared embedding may differ)."""
+        return self.norm.weight.dtype
+
     def _norms(self):
         return [m for m in self.modules() if isinstance(m, RMSNorm)]
 
@@ -211,7 +216,8 @@ class DecoderLM(nn.Module):
         target_hidden [T, H]: for a draft that reads them (`spec.reads_target_hidden`), the
         target's final hidden state at each token's previous position (or the draft's own
         output standing in for it)."""
-        x = self.embed_tokens(input_ids)  # [T, H]
+        # A draft's shared embeddings keep the target's dtype: cast the looked-up rows.
+        x = self.embed_tokens(input_ids).to(self.dtype)  # [T, H]
         if self.fc is not None:
             if target_hidden is None:
                 raise ValueError("this draft reads the target's hidden states; none were given")

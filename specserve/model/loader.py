@@ -144,8 +144,6 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto",
                               f"together with its target")
     if spec.reads_target_hidden:
         _check_reads_target_hidden(spec, target, shard, path)
-    if spec.shared_embeddings and dtype == "auto":  # the target's dtype: one shared tensor
-        dtype = target.embed_tokens.weight.dtype
     torch_dtype = resolve_dtype(dtype, config)
     files = weight_files(path)
     by_file: dict[Path, list[str]] = {}
@@ -190,10 +188,8 @@ def _share_embeddings(draft: DecoderLM, target: DecoderLM, path: Path) -> None:
         raise CheckpointError(f"{path}: this draft needs target embeddings of shape {want}; the "
                               f"target's are {tuple(weight.shape)} (a draft made for another "
                               f"model?)")
-    if weight.dtype == draft.embed_tokens.weight.dtype:
-        draft.embed_tokens.weight = weight  # one tensor for both models
-    else:
-        draft.embed_tokens.weight.data.copy_(weight.data)
+    # One tensor for both models, in the target's dtype (the draft casts the rows it reads).
+    draft.embed_tokens.weight = weight
 
 
 def _load_gguf(path: Path, dtype: str | torch.dtype, device: str | torch.device,

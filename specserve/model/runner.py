@@ -117,8 +117,7 @@ class ModelRunner:
     def __init__(self, model: DecoderLM, num_blocks: int, block_size: int) -> None:
         self.model = model
         self.block_size = block_size
-        param = next(model.parameters())
-        self.device, self.dtype = param.device, param.dtype
+        self.device, self.dtype = next(model.parameters()).device, model.dtype
         attn = model.layers[0].self_attn
         # [L, 2, num_blocks, block_size, Hkv (this rank's), D]
         self.kv_cache = torch.zeros(model.spec.num_layers, 2, num_blocks, block_size,
