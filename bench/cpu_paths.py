@@ -46,7 +46,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from specserve.kernels import cpu_build, cpu_linear
 
 from bench.compare import (
     Row,
@@ -62,6 +61,7 @@ from bench.compare import (
     specserve_runner,
 )
 from specserve import LLM, SamplingParams
+from specserve.kernels import cpu_build, cpu_linear
 from specserve.model.loader import load_tokenizer
 from specserve.model.runner import ModelRunner, Segment
 
@@ -258,18 +258,26 @@ def measure_decode(runners: dict, groups: dict[str, list[str]], prompts, rounds:
     return [Row(n, samples[n]) for n in names]
 
 
-def format_report(rows: list[Row], verify: dict, ttft: dict, bench: dict[int, float] | None,
-                  prompt_tokens: int) -> str:
+def decode_table(rows: list[Row], baselines: list[str]) -> list[str]:
+    """Decode rates (tokens after the first, each prompt's best round: prompt processing left
+    out, as llama.cpp's eval timing leaves it out), with a ratio column per baseline row."""
     by_name = {r.name: r for r in rows}
-    base = by_name.get(LLAMA_BF16)
-    base_rate = 1e3 / base.ms_per_token if base else None
+    base_rates = [1e3 / by_name[b].ms_per_token if b in by_name else None for b in baselines]
     lines = ["decode (tokens after the first), each prompt's best round",
-             f"| row | tok/s | ms/token | accept | vs {LLAMA_BF16} |", "|---|---|---|---|---|"]
+             "| row | tok/s | ms/token | accept | " + " | ".join(f"vs {b}" for b in baselines)
+             + " |", "|---|---|---|---|" + "---|" * len(baselines)]
     for r in rows:
         rate = 1e3 / r.ms_per_token
         accept = f"{r.acceptance_length:.2f}" if not r.name.startswith("llama") else "-"
-        ratio = f"{rate / base_rate:.2f}x" if base_rate else "-"
-        lines.append(f"| {r.name} | {rate:.1f} | {r.ms_per_token:.1f} | {accept} | {ratio} |")
+        ratios = [f"{rate / b:.2f}x" if b else "-" for b in base_rates]
+        lines.append(f"| {r.name} | {rate:.1f} | {r.ms_per_token:.1f} | {accept} | "
+                     + " | ".join(ratios) + " |")
+    return lines
+
+
+def format_report(rows: list[Row], verify: dict, ttft: dict, bench: dict[int, float] | None,
+                  prompt_tokens: int) -> str:
+    lines = decode_table(rows, [LLAMA_BF16])
     lines += ["", "verify cost: target forward, 5-token chain vs 1-token decode (median)",
               "| path | 1 row ms | 5 rows ms | 5 / 1 |", "|---|---|---|---|"]
     for isa, (one, five) in verify.items():

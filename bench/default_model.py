@@ -22,7 +22,7 @@ from pathlib import Path
 from specserve.draft_models.chat_prompts import HELD_OUT_PROMPTS
 
 from bench.compare import add_common_args, environment, format_rows, log, setup, specserve_runner
-from bench.cpu_paths import PEER, llamacpp_runner, measure_decode, peer_bin
+from bench.cpu_paths import PEER, decode_table, llamacpp_runner, measure_decode, peer_bin
 from specserve import LLM
 
 LLAMA = "llama.cpp"
@@ -68,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
           f"outputs: all {len(names)} modes produced identical token ids\n")
     by_name = {row.name: row for row in rows}
     print(format_rows(rows, [(names[0], by_name[names[0]]), (LLAMA, by_name.get(LLAMA))]))
+    print("\n" + "\n".join(decode_table(rows, [names[0], LLAMA])))
     print(f"\nload average at the end {os.getloadavg()[0]:.2f}")
     return 0
 
