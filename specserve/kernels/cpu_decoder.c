@@ -132,18 +132,19 @@ int decoder_layers(const decoder_desc *m, const step_desc *s, void *x, int num_t
         if (s->positions[t] < 0 || s->positions[t] >= m->max_positions) return -2;
         if (s->slot_mapping[t] >= num_slots) return -3;
     }
-    /* Scratch, each part in values: h [T, H], qkv [T, qkv_len], q and a [T, q_len],
-     * p [T, H], g [T, 2I], act [T, I]. */
-    const int64_t sizes[7] = {T * H, T * qkv_len, T * q_len, T * q_len, T * H, T * 2 * I, T * I};
-    char *parts[7];
-    size_t total = 0;
-    for (int i = 0; i < 7; i++) total += ((size_t)sizes[i] * elem + 63) / 64 * 64;
-    char *buf = aligned_alloc(64, total);
+    /* Scratch in one allocation, each part 64-byte aligned: h [T, H], qkv [T, qkv_len],
+     * q and a [T, q_len], p [T, H], g [T, 2I], act [T, I]. */
+    enum { H_, QKV, Q, A, P, G, ACT, PARTS };
+    const int64_t values[PARTS] = {T * H, T * qkv_len, T * q_len, T * q_len, T * H, T * 2 * I,
+                                   T * I};
+    size_t offset[PARTS + 1] = {0};
+    for (int i = 0; i < PARTS; i++)
+        offset[i + 1] = offset[i] + ((size_t)values[i] * elem + 63) / 64 * 64;
+    char *buf = aligned_alloc(64, offset[PARTS]);
     if (!buf) return -1;
-    for (int i = 0, at = 0; i < 7; at += (int)(((size_t)sizes[i] * elem + 63) / 64 * 64), i++)
-        parts[i] = buf + at;
-    char *h = parts[0], *qkv = parts[1], *q = parts[2], *a = parts[3], *p = parts[4];
-    char *g = parts[5], *act = parts[6];
+    char *h = buf + offset[H_], *qkv = buf + offset[QKV], *q = buf + offset[Q];
+    char *a = buf + offset[A], *p = buf + offset[P], *g = buf + offset[G];
+    char *act = buf + offset[ACT];
     int status = 0;
     for (int64_t l = 0; l < m->num_layers && status == 0; l++) {
         const layer_desc *layer = &m->layers[l];

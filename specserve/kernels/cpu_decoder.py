@@ -119,7 +119,7 @@ class DecoderStack:
         first = layers[0]
         self._desc = _Decoder(
             ctypes.cast(self._layers, ctypes.POINTER(_Layer)), len(layers),
-            first.input_norm.shape[0], _rows(first.down.weight)[1], num_heads, num_kv_heads,
+            first.input_norm.shape[0], first.down.weight.shape[1], num_heads, num_kv_heads,
             head_dim, eps, head_dim ** -0.5, cos.data_ptr(), sin.data_ptr(), cos.shape[0],
             dtype == torch.float32, cpu_linear.GEMM_MIN_ROWS)
 
@@ -157,7 +157,7 @@ class DecoderStack:
         quantized = isinstance(weight, QuantizedWeight)
         data = weight.blocks.contiguous() if quantized else weight
         self._keep += [data] + ([] if bias is None else [bias])
-        n, k = _rows(weight)
+        n, k = weight.shape
         return _Linear(_LINEAR_QUANT if quantized else _LINEAR_BF16,
                        weight.fmt.code if quantized else 0, data.data_ptr(),
                        None if bias is None else bias.data_ptr(), n, k)
@@ -194,7 +194,3 @@ class DecoderStack:
         if status:
             raise MemoryError("decoder_layers: could not allocate its buffers")
         return x
-
-
-def _rows(weight: Weight) -> tuple[int, int]:
-    return tuple(weight.shape)

@@ -80,7 +80,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2I]
-        activated = cpu_decoder.silu_mul(gate_up) if gate_up.dim() == 2 else None  # in C
+        activated = cpu_decoder.silu_mul(gate_up)  # in C, or None
         if activated is None:
             gate, up = gate_up.chunk(2, dim=-1)
             activated = F.silu(gate) * up
