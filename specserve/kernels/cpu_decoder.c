@@ -61,25 +61,16 @@ typedef struct {
     int32_t act_bits;                         /* quantized products: 0 fp32 activations, 8, 16 */
 } step_desc;
 
-static inline __attribute__((always_inline)) float load(const void *p, int64_t i, const int f32) {
-    return f32 ? ((const float *)p)[i] : bf16_to_f32(((const uint16_t *)p)[i]);
-}
-
-static inline __attribute__((always_inline)) void save(void *p, int64_t i, float v, const int f32) {
-    if (f32) ((float *)p)[i] = v;
-    else ((uint16_t *)p)[i] = f32_to_bf16(v);
-}
-
 static inline __attribute__((always_inline)) void silu_mul_body(const void *gate_up, void *y,
                                                                  int64_t T, int64_t I,
                                                                  const int f32) {
     for (int64_t t = 0; t < T; t++)
         for (int64_t i = 0; i < I; i++) {
-            const float g = load(gate_up, t * 2 * I + i, f32);
+            const float g = act_load(gate_up, t * 2 * I + i, f32);
             const float silu = g / (1.0f + expf(-g));
+            const float up = act_load(gate_up, t * 2 * I + I + i, f32);
             /* torch's silu returns the activations' dtype: round before the product. */
-            const float a = f32 ? silu : bf16_to_f32(f32_to_bf16(silu));
-            save(y, t * I + i, a * load(gate_up, t * 2 * I + I + i, f32), f32);
+            act_save(y, t * I + i, act_round(silu, f32) * up, f32);
         }
 }
 

@@ -16,32 +16,18 @@
 #include "cpu_bf16.h"
 #include "cpu_kernels.h"
 
-static inline __attribute__((always_inline)) float load(const void *p, int64_t i, const int f32) {
-    return f32 ? ((const float *)p)[i] : bf16_to_f32(((const uint16_t *)p)[i]);
-}
-
-static inline __attribute__((always_inline)) void save(void *p, int64_t i, float v, const int f32) {
-    if (f32) ((float *)p)[i] = v;
-    else ((uint16_t *)p)[i] = f32_to_bf16(v);
-}
-
-/* The value as the activations' dtype holds it. */
-static inline __attribute__((always_inline)) float rounded(float v, const int f32) {
-    return f32 ? v : bf16_to_f32(f32_to_bf16(v));
-}
-
 static inline __attribute__((always_inline)) void rms_norm_body(
     const void *x, const void *w, void *y, int64_t T, int64_t H, float eps, const int f32) {
     for (int64_t t = 0; t < T; t++) {
         float sum = 0.0f;
         for (int64_t h = 0; h < H; h++) {
-            const float v = load(x, t * H + h, f32);
+            const float v = act_load(x, t * H + h, f32);
             sum += v * v;
         }
         const float inv = 1.0f / sqrtf(sum / (float)H + eps);
         for (int64_t h = 0; h < H; h++) {
-            const float normed = rounded(load(x, t * H + h, f32) * inv, f32);
-            save(y, t * H + h, load(w, h, f32) * normed, f32);
+            const float normed = act_round(act_load(x, t * H + h, f32) * inv, f32);
+            act_save(y, t * H + h, act_load(w, h, f32) * normed, f32);
         }
     }
 }
@@ -62,9 +48,10 @@ static inline __attribute__((always_inline)) void rotary_body(
         for (int64_t h = 0; h < num_heads; h++) {
             const int64_t at = t * row_stride + h * head_dim;
             for (int64_t d = 0; d < half; d++) {
-                const float x1 = load(x, at + d, f32), x2 = load(x, at + d + half, f32);
-                save(x, at + d, x1 * c[d] - x2 * s[d], f32);
-                save(x, at + d + half, x2 * c[d] + x1 * s[d], f32);
+                const float x1 = act_load(x, at + d, f32);
+                const float x2 = act_load(x, at + d + half, f32);
+                act_save(x, at + d, x1 * c[d] - x2 * s[d], f32);
+                act_save(x, at + d + half, x2 * c[d] + x1 * s[d], f32);
             }
         }
     }
