@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> None:
     prompts = demo_prompts(max(args.concurrency))
     rows = run_batching(llm, tuple(args.concurrency), args.max_tokens, args.repeats, prompts)
     lengths = prompt_lengths(llm, prompts)
-    dtype = next(llm.engine.target.parameters()).dtype
+    dtype = llm.engine.target.dtype
     setup = dict(target=str(target), draft=str(draft) if draft else None,  # noqa: C408
                  speculation=args.speculation, dtype=str(dtype).removeprefix("torch."),
                  max_tokens=args.max_tokens, threads=torch.get_num_threads(),

@@ -66,10 +66,10 @@ class EngineCore:
                                     if self.draft else []))
 
         cache = config.cache
-        dtype = self.target.dtype
-        per_block = kv_bytes_per_block(self.target, cache.block_size, dtype)
+        # Each model's cache holds its own dtype (a bf16 draft beside a float32 target).
+        per_block = kv_bytes_per_block(self.target, cache.block_size)
         if self.draft is not None:
-            per_block += kv_bytes_per_block(self.draft, cache.block_size, dtype)
+            per_block += kv_bytes_per_block(self.draft, cache.block_size)
         num_blocks = cache.num_blocks or max(1, cache.kv_cache_memory_bytes // per_block)
         self.block_manager = BlockManager(num_blocks, cache.block_size,
                                           cache.enable_prefix_caching)

@@ -50,11 +50,12 @@ class Segment:
     target_hidden: torch.Tensor | None = None
 
 
-def kv_bytes_per_block(model: DecoderLM, block_size: int, dtype: torch.dtype) -> int:
+def kv_bytes_per_block(model: DecoderLM, block_size: int) -> int:
+    """Bytes of one KV block of `model`'s cache (in its layers' dtype, as ModelRunner holds it)."""
     spec = model.spec
     attn = model.layers[0].self_attn
     per_token = 2 * spec.num_layers * attn.num_kv_heads * spec.head_dim
-    return per_token * block_size * torch.tensor([], dtype=dtype).element_size()
+    return per_token * block_size * model.dtype.itemsize
 
 
 class Command(IntEnum):

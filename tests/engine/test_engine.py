@@ -164,3 +164,16 @@ def test_bad_requests_are_clear_errors(llm):
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)
     llm.engine.block_manager.check_no_leak()
+
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_kv_budget_counts_a_models_cache_in_its_own_dtype(tiny_target, dtype):
+    """The engine sizes its block pool from kv_bytes_per_block of each model (a bfloat16 draft
+    beside a float32 target): it must be what the model's runner holds per block."""
+    from specserve.model.loader import load_model
+    from specserve.model.runner import ModelRunner, kv_bytes_per_block
+
+    model = load_model(tiny_target, dtype=dtype)
+    runner = ModelRunner(model, num_blocks=2, block_size=16)
+    assert kv_bytes_per_block(model, 16) == runner.kv_cache[:, :, 0].nbytes
