@@ -36,6 +36,16 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> b
     return unsupported(q, k_cache, v_cache) is None
 
 
+def kernel_metadata(block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                    context_lens: torch.Tensor, local_mask: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The attention metadata as the C kernel reads it: block tables, query starts and context
+    lengths contiguous int32, the mask contiguous bool (1 byte each) or None."""
+    return (block_tables.to(torch.int32).contiguous(), query_start_loc.to(torch.int32).contiguous(),
+            context_lens.to(torch.int32).contiguous(),
+            None if local_mask is None else local_mask.to(torch.bool).contiguous())
+
+
 def paged_attention_cpu(
     q: torch.Tensor,  # [T, Hq, D] bf16 or fp32
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D] q's dtype, contiguous
@@ -55,10 +65,9 @@ def paged_attention_cpu(
     if reason is not None:
         raise ValueError(f"paged_attention_cpu: {reason}")
     lib = library()
-    q, tables = q.contiguous(), block_tables.to(torch.int32).contiguous()
-    starts = query_start_loc.to(torch.int32).contiguous()
-    contexts = context_lens.to(torch.int32).contiguous()
-    mask = None if local_mask is None else local_mask.to(torch.bool).contiguous()  # 1 byte each
+    q = q.contiguous()
+    tables, starts, contexts, mask = kernel_metadata(block_tables, query_start_loc, context_lens,
+                                                     local_mask)
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     out = torch.empty_like(q)
     status = lib.paged_attention(

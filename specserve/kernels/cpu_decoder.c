@@ -110,7 +110,8 @@ static int project(const decoder_desc *m, const step_desc *s, const linear_desc 
 
 /* Runs every layer of m over x [T, hidden] (bf16, or fp32 when m->f32), in place. Returns 0;
  * -1 when a buffer cannot be allocated, -2 for a position outside the rotary tables, -3 for
- * a slot past the cache (the last two checked before anything is written). */
+ * a slot past the cache (the last two found by the first layer's rotary and store, which check
+ * before they write, so x and the cache are untouched then). */
 int decoder_layers(const decoder_desc *m, const step_desc *s, void *x, int num_threads) {
     const int f32 = m->f32;
     const size_t elem = f32 ? sizeof(float) : sizeof(uint16_t);
@@ -119,10 +120,6 @@ int decoder_layers(const decoder_desc *m, const step_desc *s, void *x, int num_t
     const int64_t qkv_len = q_len + 2 * kv_len;
     const int64_t num_slots = s->num_blocks * s->block_size;
     const int64_t cache_len = num_slots * kv_len; /* one K (or V) cache, in values */
-    for (int64_t t = 0; t < T; t++) {
-        if (s->positions[t] < 0 || s->positions[t] >= m->max_positions) return -2;
-        if (s->slot_mapping[t] >= num_slots) return -3;
-    }
     /* Scratch in one allocation, each part 64-byte aligned: h [T, H], qkv [T, qkv_len],
      * q and a [T, q_len], p [T, H], g [T, 2I], act [T, I]. */
     enum { H_, QKV, Q, A, P, G, ACT, PARTS };
@@ -137,32 +134,36 @@ int decoder_layers(const decoder_desc *m, const step_desc *s, void *x, int num_t
     char *a = buf + offset[A], *p = buf + offset[P], *g = buf + offset[G];
     char *act = buf + offset[ACT];
     int status = 0;
-    for (int64_t l = 0; l < m->num_layers && status == 0; l++) {
+    for (int64_t l = 0; l < m->num_layers; l++) {
         const layer_desc *layer = &m->layers[l];
         char *k_cache = (char *)s->kv_cache + (size_t)(2 * l) * cache_len * elem;
         char *v_cache = k_cache + (size_t)cache_len * elem;
         rms_norm_rows(x, layer->input_norm, h, T, H, m->eps, f32);
-        if ((status = project(m, s, &layer->qkv, h, qkv, num_threads))) break;
-        rotary_rows(qkv, T, qkv_len, m->num_heads + m->num_kv_heads, D, m->cos, m->sin,
-                    m->max_positions, s->positions, f32);
-        store_kv_rows(qkv + q_len * elem, qkv + (q_len + kv_len) * elem, qkv_len, k_cache,
-                      v_cache, s->slot_mapping, T, kv_len, num_slots, (int64_t)elem);
+        if (project(m, s, &layer->qkv, h, qkv, num_threads)) { status = -1; break; }
+        if (rotary_rows(qkv, T, qkv_len, m->num_heads + m->num_kv_heads, D, m->cos, m->sin,
+                        m->max_positions, s->positions, f32)) { status = -2; break; }
+        if (store_kv_rows(qkv + q_len * elem, qkv + (q_len + kv_len) * elem, qkv_len, k_cache,
+                          v_cache, s->slot_mapping, T, kv_len, num_slots, (int64_t)elem)) {
+            status = -3;
+            break;
+        }
         for (int64_t t = 0; t < T; t++) /* attention reads q [T, Hq, D] contiguous */
             memcpy(q + t * q_len * elem, qkv + t * qkv_len * elem, (size_t)q_len * elem);
-        if ((status = paged_attention(q, k_cache, v_cache, f32, s->block_tables, s->max_blocks,
-                                      s->query_start_loc, s->context_lens, s->local_mask,
-                                      s->max_query_len, s->num_requests, m->num_heads,
-                                      m->num_kv_heads, D, s->block_size, m->scale, a,
-                                      num_threads)))
+        if (paged_attention(q, k_cache, v_cache, f32, s->block_tables, s->max_blocks,
+                            s->query_start_loc, s->context_lens, s->local_mask,
+                            s->max_query_len, s->num_requests, m->num_heads, m->num_kv_heads, D,
+                            s->block_size, m->scale, a, num_threads)
+            || project(m, s, &layer->o, a, p, num_threads)) {
+            status = -1;
             break;
-        if ((status = project(m, s, &layer->o, a, p, num_threads))) break;
+        }
         add_in_place(x, p, T * H, f32);
         rms_norm_rows(x, layer->post_norm, h, T, H, m->eps, f32);
-        if ((status = project(m, s, &layer->gate_up, h, g, num_threads))) break;
+        if (project(m, s, &layer->gate_up, h, g, num_threads)) { status = -1; break; }
         silu_mul_rows(g, act, T, I, f32);
-        if ((status = project(m, s, &layer->down, act, p, num_threads))) break;
+        if (project(m, s, &layer->down, act, p, num_threads)) { status = -1; break; }
         add_in_place(x, p, T * H, f32);
     }
     free(buf);
-    return status ? -1 : 0;
+    return status;
 }

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import cpu_build, cpu_linear, cpu_norm_rope, quant_cpu
+from . import cpu_attention, cpu_build, cpu_linear, cpu_norm_rope, quant_cpu
 from .quant_reference import QuantizedWeight
 
 # Rows from which a forward goes layer by layer: up to here every C path takes every product
@@ -176,10 +176,8 @@ class DecoderStack:
         x = x.contiguous()
         positions = positions.to(torch.int64).contiguous()
         slots = slot_mapping.to(torch.int64).contiguous()
-        tables = block_tables.to(torch.int32).contiguous()
-        starts = query_start_loc.to(torch.int32).contiguous()
-        contexts = context_lens.to(torch.int32).contiguous()
-        mask = None if local_mask is None else local_mask.to(torch.bool).contiguous()
+        tables, starts, contexts, mask = cpu_attention.kernel_metadata(
+            block_tables, query_start_loc, context_lens, local_mask)
         act = quant_cpu.activation_format()
         step = _Step(positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), starts.data_ptr(),
                      contexts.data_ptr(), None if mask is None else mask.data_ptr(), x.shape[0],

@@ -101,8 +101,12 @@ def test_bad_positions_and_settings_are_clear_errors(tiny_target, monkeypatch):
         pytest.skip("no C kernel build on this machine")
     model = load_model(tiny_target, dtype="bfloat16")
     runner = ModelRunner(model, num_blocks=4, block_size=8)
+    before = runner.kv_cache.clone()
     with pytest.raises(IndexError, match="rotary positions"):
         runner.forward([Segment([5], [model.spec.max_position_embeddings], 0, [0], [0])])
+    with pytest.raises(IndexError, match="slot is past the cache"):
+        runner.forward([Segment([5], [0], 0, [4], [0])])  # block 4 of a 4-block cache
+    assert torch.equal(runner.kv_cache, before)  # nothing written before either error
     monkeypatch.setenv("SPECSERVE_CPU_STACK", "yes")
     with pytest.raises(ValueError, match="SPECSERVE_CPU_STACK"):
         runner.forward([Segment([5], [0], 0, [0], [0])])
