@@ -21,7 +21,15 @@ from pathlib import Path
 
 from specserve.draft_models.chat_prompts import HELD_OUT_PROMPTS
 
-from bench.compare import add_common_args, environment, format_rows, log, setup, specserve_runner
+from bench.compare import (
+    add_common_args,
+    chat_prompts,
+    environment,
+    format_rows,
+    log,
+    setup,
+    specserve_runner,
+)
 from bench.cpu_paths import PEER, decode_table, llamacpp_runner, measure_decode, peer_bin
 from specserve import LLM
 
@@ -46,10 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     load_s = time.perf_counter() - start
     log(f"loaded in {load_s:.1f} s; default mode {llm.engine.default_mode}")
     tok = llm.tokenizer
-    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}],
-                                                  tokenize=False, add_generation_prompt=True),
-                          add_special_tokens=False)
-               for q in HELD_OUT_PROMPTS[:args.prompts]]
+    prompts = chat_prompts(tok, HELD_OUT_PROMPTS[:args.prompts])
     names = args.modes.split(",")
     runners = {name: specserve_runner(llm, None if name == "default" else name, args.max_tokens,
                                       args.ignore_eos) for name in names}
