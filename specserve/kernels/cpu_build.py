@@ -94,7 +94,10 @@ ISA_REQUIRES: dict[str, set[str]] = {
     "portable": set(),
 }
 ISAS = (*ISA_FLAGS, "torch")
-COMMON_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
+# -fno-trapping-math: no kernel reads the floating-point exception flags, and without it GCC
+# will not turn a float select (`x > hi ? hi : x`) into a vector blend, so loops with one stay
+# scalar; values and rounding are unchanged (no -ffast-math).
+COMMON_FLAGS = ["-O3", "-ffp-contract=off", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC"]
 
 
 # Paths compiled and checked (-Wall -Wextra -Werror) but not yet run on a CPU that has them

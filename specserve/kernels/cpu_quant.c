@@ -364,10 +364,16 @@ SIMD_INLINE __m256i block_dot(const int fmt, __m256i wv, __m256i aw, __m256i xv)
     return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
 }
 
-/* The four totals of four vectors of eight int32 each. */
+/* The four totals of four vectors of eight int32 each, by a transpose of unpacks and adds:
+ * single-uop shuffles, where a horizontal add is several on AMD cores (integer sums are exact,
+ * so the order does not matter). */
 SIMD_INLINE __m128i sum4(__m256i a, __m256i b, __m256i c, __m256i d) {
-    const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(a, b), _mm256_hadd_epi32(c, d));
-    return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+    /* ab: a0+a2 b0+b2 a1+a3 b1+b3 | the same of lanes 4..7; cd likewise */
+    const __m256i ab = _mm256_add_epi32(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b));
+    const __m256i cd = _mm256_add_epi32(_mm256_unpacklo_epi32(c, d), _mm256_unpackhi_epi32(c, d));
+    /* a b c d each summed over lanes 0..3 | over lanes 4..7 */
+    const __m256i s = _mm256_add_epi32(_mm256_unpacklo_epi64(ab, cd), _mm256_unpackhi_epi64(ab, cd));
+    return _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
 }
 
 /* fp16 bits in the low half of each int32 lane -> fp32, exact (F16C: the x86 builds require
