@@ -128,6 +128,22 @@ def test_silu_mul_matches_torch(cpu_isa, dtype):
         torch.testing.assert_close(got, want, rtol=4e-7, atol=1e-30)
 
 
+def test_silu_mul_exponential_range_and_special_values(cpu_isa):
+    """The kernel's own exponential: within 2 ulp of the true silu over [-88.5, 100] in fp32,
+    where e^-g is finite (torch's own is within 1.5), and torch's results at NaN, infinities,
+    zeros and where e^-g overflows or underflows."""
+    gate = torch.linspace(-88.5, 100, 400_001)
+    got = cpu_decoder.silu_mul(torch.cat([gate, torch.ones_like(gate)])[None])[0]
+    truth = gate.double() / (1 + torch.exp(-gate.double()))
+    ulps = (got.double() - truth).abs() / (truth.abs() * torch.finfo(torch.float32).eps)
+    assert ulps[truth != 0].max() <= 2
+    special = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 88.0, -88.0,
+                            89.0, -89.0, 100.0, -100.0, 1e-30, -1e-30])
+    got = cpu_decoder.silu_mul(torch.cat([special, torch.ones_like(special)])[None])[0]
+    torch.testing.assert_close(got, F.silu(special), rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(got.signbit(), F.silu(special).signbit())
+
+
 def test_stack_is_dropped_for_unsupported_weights():
     norm = torch.ones(16, dtype=torch.bfloat16)
     dense = cpu_decoder.Projection(torch.zeros(16, 16), None)  # fp32: F.linear's
