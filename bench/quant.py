@@ -19,11 +19,12 @@ Kernels (`--skip-kernels` to leave out), two tables. Row scaling: one decoder la
 the widened shape (qkv 1280x1024, o 1024x1024, gate/up 8192x1024, down 1024x4096), 24 copies so the
 weights come from memory, timed for M = 1..16 activation rows: Q8_0 and Q4_0 on the C kernel of the
 selected ISA with Q16, Q8 and fp32 activations (SPECSERVE_QUANT_ACT,
-specserve/kernels/quant_cpu.py), bf16 on `kernels.linear`; ms per pass over all 24 layers, and the
-cost of M rows relative to one row. Shapes: each projection of the widened target and of
-SmolLM2-135M alone, M = 1 and 5, weights cycled from memory: time per product, weight bytes read per
-second and that as a share of torch.sum's read bandwidth (the memory bound), for Q8_0 / Q4_0 / Q4_1
-with each activation format, fp32 torch and bf16.
+specserve/kernels/quant_cpu.py), the blocks' rows grouped as a model on the CPU keeps them, and
+Q8_0 / Q16 also row by row (GGUF's order, "by row"), bf16 on `kernels.linear`; ms per pass
+over all 24 layers, and the cost of M rows relative to one row. Shapes: each projection of the
+widened target and of SmolLM2-135M alone, M = 1 and 5, weights cycled from memory: time per
+product, weight bytes read per second and that as a share of torch.sum's read bandwidth (the
+memory bound), for Q8_0 / Q4_0 / Q4_1 with each activation format, fp32 torch and bf16.
 
 Quality, on the demo target (the widened one computes the same function): mean next-token NLL
 (nats) over the model card's held-out windows (32 chat + 32 code windows of 256 tokens from the
@@ -125,18 +126,22 @@ def _quant_fn(act: str):
 def measure_kernels(rows: tuple[int, ...] = (1, 2, 4, 8, 16), layers: int = 24,
                     repeats: int = 5) -> dict[str, dict[int, float]]:
     """ms per pass over `layers` copies of LAYER_SHAPES, per weight kind and row count
-    (kinds interleaved, best of `repeats`)."""
+    (kinds interleaved, best of `repeats`). Quantized weights in the row order a model on the
+    CPU keeps (grouped), and Q8_0 also in GGUF's row by row order ("by row")."""
     from specserve.kernels import linear
-    from specserve.kernels.quant_reference import quantize
+    from specserve.kernels.quant_reference import ROW_GROUP, quantize
 
     gen = torch.Generator().manual_seed(0)
     dense = [torch.randn(n, k, generator=gen).to(torch.bfloat16)
              for _ in range(layers) for n, k in LAYER_SHAPES]
     weights = {"bf16": (linear, dense)}
     for fmt in ("Q8_0", "Q4_0"):
-        blocks = [quantize(w, fmt) for w in dense]
+        by_row = [quantize(w, fmt) for w in dense]
+        blocks = [w.with_row_group(ROW_GROUP) for w in by_row]
         for act in ACTS:
             weights[f"{fmt} {act}"] = (_quant_fn(act), blocks)
+        if fmt == "Q8_0":
+            weights["Q8_0 q16 by row"] = (_quant_fn("q16"), by_row)
     out: dict[str, dict[int, float]] = {kind: {} for kind in weights}
     for m in rows:
         xs = {k: torch.randn(m, k, generator=gen).to(torch.bfloat16) for _, k in LAYER_SHAPES}
@@ -165,7 +170,7 @@ def _copy(w):
     from specserve.kernels.quant_reference import QuantizedWeight
 
     if isinstance(w, QuantizedWeight):
-        return QuantizedWeight(w.fmt, w.blocks.clone(), w.shape)
+        return QuantizedWeight(w.fmt, w.blocks.clone(), w.shape, w.row_group)
     return w.clone()
 
 
@@ -177,7 +182,7 @@ def measure_kernel_shapes(rows: tuple[int, ...] = (1, 5), repeats: int = 5,
     copies of its weight totalling `footprint` bytes (past the last-level cache, so the weights
     come from memory, as in decode); kinds interleaved, best of `repeats`."""
     from specserve.kernels import linear
-    from specserve.kernels.quant_reference import QuantizedWeight, quantize
+    from specserve.kernels.quant_reference import ROW_GROUP, QuantizedWeight, quantize
 
     gen = torch.Generator().manual_seed(0)
     result = {}
@@ -185,7 +190,8 @@ def measure_kernel_shapes(rows: tuple[int, ...] = (1, 5), repeats: int = 5,
         dense = torch.randn(n, k, generator=gen)
         kinds = {"fp32 torch": (F.linear, dense), "bf16 linear": (linear, dense.bfloat16())}
         for fmt, act in QUANT_KINDS:
-            kinds[f"{fmt} {act}"] = (_quant_fn(act), quantize(dense, fmt))
+            kinds[f"{fmt} {act}"] = (_quant_fn(act),
+                                     quantize(dense, fmt).with_row_group(ROW_GROUP))
         copies, nbytes = {}, {}
         for kind, (_, w) in kinds.items():
             size = w.nbytes if isinstance(w, QuantizedWeight) else w.numel() * w.element_size()

@@ -75,9 +75,10 @@ KERNELS: dict[str, dict[str, Signature]] = {
         "silu_mul_rows": ([_p] * 2 + [_i64] * 2 + [_i32], None),
     },
     "cpu_quant.c": {
-        "quant_matmul": ([_p, _i32, _p, _i32, _p, _p, _i32] + [_i64] * 3 + [_i32], ctypes.c_int),
-        "quant_matmul_int": ([_p, _i32, _p, _i32, _p, _p, _i32] + [_i64] * 3 + [_i32, _i32],
-                             ctypes.c_int),
+        "quant_matmul": ([_p, _i32, _p, _i32, _i32, _p, _p, _i32] + [_i64] * 3 + [_i32],
+                         ctypes.c_int),
+        "quant_matmul_int": ([_p, _i32, _p, _i32, _i32, _p, _p, _i32] + [_i64] * 3
+                             + [_i32, _i32], ctypes.c_int),
     },
 }
 

@@ -28,6 +28,7 @@ enum { LINEAR_BF16 = 0, LINEAR_QUANT = 1 };
 typedef struct {
     int32_t kind;       /* LINEAR_BF16: weight bf16 [n, k]; LINEAR_QUANT: GGUF blocks [n, .] */
     int32_t fmt;        /* the block format (cpu_quant.c's FMT_*) of a LINEAR_QUANT weight */
+    int32_t group;      /* its row order (cpu_quant.c's `group`: 1 or ROW_GROUP) */
     const void *weight;
     const void *bias;   /* [n] in the activations' dtype, or NULL */
     int64_t n, k;
@@ -129,10 +130,10 @@ static int project(const decoder_desc *m, const step_desc *s, const linear_desc 
         return (T >= m->gemm_min_rows ? gemm_bf16 : gemv_bf16)(x, w->weight, w->bias, NULL, y,
                                                                T, w->n, w->k, num_threads);
     if (s->act_bits == 0)
-        return quant_matmul(x, !m->f32, w->weight, w->fmt, w->bias, y, !m->f32, T, w->n, w->k,
-                            num_threads);
-    return quant_matmul_int(x, !m->f32, w->weight, w->fmt, w->bias, y, !m->f32, T, w->n, w->k,
-                            s->act_bits, num_threads);
+        return quant_matmul(x, !m->f32, w->weight, w->fmt, w->group, w->bias, y, !m->f32, T,
+                            w->n, w->k, num_threads);
+    return quant_matmul_int(x, !m->f32, w->weight, w->fmt, w->group, w->bias, y, !m->f32, T,
+                            w->n, w->k, s->act_bits, num_threads);
 }
 
 /* Runs every layer of m over x [T, hidden] (bf16, or fp32 when m->f32), in place. Returns 0;

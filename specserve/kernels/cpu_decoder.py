@@ -30,8 +30,8 @@ _p, _i32, _i64, _f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c
 
 
 class _Linear(ctypes.Structure):
-    _fields_ = [("kind", _i32), ("fmt", _i32), ("weight", _p), ("bias", _p), ("n", _i64),
-                ("k", _i64)]
+    _fields_ = [("kind", _i32), ("fmt", _i32), ("group", _i32), ("weight", _p), ("bias", _p),
+                ("n", _i64), ("k", _i64)]
 
 
 class _Layer(ctypes.Structure):
@@ -159,7 +159,8 @@ class DecoderStack:
         self._keep += [data] + ([] if bias is None else [bias])
         n, k = weight.shape
         return _Linear(_LINEAR_QUANT if quantized else _LINEAR_BF16,
-                       weight.fmt.code if quantized else 0, data.data_ptr(),
+                       weight.fmt.code if quantized else 0,
+                       weight.row_group if quantized else 1, data.data_ptr(),
                        None if bias is None else bias.data_ptr(), n, k)
 
     def run(self, lib, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,

@@ -9,11 +9,12 @@ int gemv_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, float 
               uint16_t *y_bf16, int64_t M, int64_t N, int64_t K, int num_threads);
 int gemm_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, float *y_f32,
               uint16_t *y_bf16, int64_t M, int64_t N, int64_t K, int num_threads);
-int quant_matmul(const void *x, int x_bf16, const uint8_t *w, int fmt, const void *bias,
-                 void *y, int y_bf16, int64_t M, int64_t N, int64_t K, int num_threads);
-int quant_matmul_int(const void *x, int x_bf16, const uint8_t *w, int fmt, const void *bias,
-                     void *y, int y_bf16, int64_t M, int64_t N, int64_t K, int act,
-                     int num_threads);
+int quant_matmul(const void *x, int x_bf16, const uint8_t *w, int fmt, int group,
+                 const void *bias, void *y, int y_bf16, int64_t M, int64_t N, int64_t K,
+                 int num_threads);
+int quant_matmul_int(const void *x, int x_bf16, const uint8_t *w, int fmt, int group,
+                     const void *bias, void *y, int y_bf16, int64_t M, int64_t N, int64_t K,
+                     int act, int num_threads);
 void rms_norm_rows(const void *x, const void *w, void *y, int64_t T, int64_t H, float eps,
                    int f32);
 int rotary_rows(void *x, int64_t T, int64_t row_stride, int64_t num_heads, int64_t head_dim,

@@ -84,12 +84,14 @@ def run_quant_matmul(lib, x: torch.Tensor, qweight: QuantizedWeight, bias: torch
     if x.shape[0] == 0:
         return out
     args = (x.data_ptr(), x.dtype == torch.bfloat16, blocks.data_ptr(), qweight.fmt.code,
-            None if bias is None else bias.data_ptr(), out.data_ptr(), out_dtype == torch.bfloat16,
-            x.shape[0], qweight.shape[0], qweight.shape[1])
+            qweight.row_group, None if bias is None else bias.data_ptr(), out.data_ptr(),
+            out_dtype == torch.bfloat16, x.shape[0], qweight.shape[0], qweight.shape[1])
     if act == "fp32":
         status = lib.quant_matmul(*args, torch.get_num_threads())
     else:
         status = lib.quant_matmul_int(*args, _ACT_BITS[act], torch.get_num_threads())
+    if status == -3:
+        raise ValueError(f"quant_matmul: row_group {qweight.row_group} is not a kernel row order")
     if status:
         raise MemoryError("quant_matmul: cannot allocate the activation buffer")
     return out

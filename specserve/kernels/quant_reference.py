@@ -3,7 +3,9 @@
 A quantized weight [N, K] is stored as GGUF stores it: per output row, ceil(K / 32) blocks of 32
 weights, each block a few bytes of fp16 scale (and min) followed by the quantized values, so a
 `.gguf` file's rows are used as they are and quantizing at load is the gguf package's own
-quantizer (bit-exact with llama.cpp's). K is padded with zeros to whole blocks.
+quantizer (bit-exact with llama.cpp's). K is padded with zeros to whole blocks. The same blocks
+may be stored with the rows grouped (`row_group`, the CPU kernel's faster order: cpu_quant.c's
+header); `block_rows` reads either order.
 
 The reference product dequantizes to fp32 (exactly: see the block formats in cpu_quant.c) and
 runs an fp32 matmul; the Triton kernel and the C kernel with fp32 activations differ from it only
@@ -24,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 BLOCK = 32  # weights per block, every format
+ROW_GROUP = 4  # cpu_quant.c's ROW_GROUP: rows per group in the grouped order
 
 
 @dataclass(frozen=True)
@@ -40,11 +43,17 @@ FORMATS = {f.name: f for f in (QuantFormat("Q8_0", 0, 34, 2), QuantFormat("Q4_0"
 
 @dataclass(frozen=True)
 class QuantizedWeight:
-    """A [N, K] weight in one of `FORMATS`; blocks: [N, ceil(K / 32) * block_bytes] uint8."""
+    """A [N, K] weight in one of `FORMATS`; blocks: [N, ceil(K / 32) * block_bytes] uint8.
+
+    row_group 1: row n's blocks are blocks[n] (GGUF's order). ROW_GROUP: each group of
+    ROW_GROUP consecutive rows (the last may hold fewer) is stored block by block, the group's
+    rows' block 0, then their block 1, ...: the same bytes, in the order the CPU kernel reads
+    them as one stream."""
 
     fmt: QuantFormat
     blocks: torch.Tensor
     shape: tuple[int, int]  # (N, K), the logical shape
+    row_group: int = 1
 
     def __post_init__(self) -> None:
         n, k = self.shape
@@ -52,9 +61,37 @@ class QuantizedWeight:
         if self.blocks.dtype != torch.uint8 or tuple(self.blocks.shape) != want:
             raise ValueError(f"{self.fmt.name} blocks of a {n}x{k} weight must be uint8 {want}, "
                              f"got {self.blocks.dtype} {tuple(self.blocks.shape)}")
+        if self.row_group not in (1, ROW_GROUP):
+            raise ValueError(f"row_group must be 1 or {ROW_GROUP}, got {self.row_group}")
 
     def to(self, device: str | torch.device) -> QuantizedWeight:
-        return QuantizedWeight(self.fmt, self.blocks.to(device), self.shape)
+        return QuantizedWeight(self.fmt, self.blocks.to(device), self.shape, self.row_group)
+
+    def block_rows(self) -> torch.Tensor:
+        """-> [N, nb, block_bytes] uint8, row n's blocks in k order (a view when row_group is 1)."""
+        n = self.shape[0]
+        if self.row_group == 1:
+            return self.blocks.view(n, -1, self.fmt.block_bytes)
+        g, bb = self.row_group, self.fmt.block_bytes
+        nb = self.blocks.shape[1] // bb
+        full, flat = n // g * g, self.blocks.view(-1)
+        grouped = flat[:full * nb * bb].view(full // g, nb, g, bb)  # [groups, nb, g, bytes]
+        tail = flat[full * nb * bb:].view(nb, n - full, bb)  # the last group's [nb, rows, bytes]
+        return torch.cat([grouped.transpose(1, 2).reshape(full, nb, bb), tail.transpose(0, 1)])
+
+    def with_row_group(self, row_group: int) -> QuantizedWeight:
+        """The same weight stored in row_group's order (self when it already is)."""
+        if row_group == self.row_group:
+            return self
+        rows = self.block_rows()  # [N, nb, bytes]
+        if row_group != 1:
+            n = self.shape[0]
+            full = n // row_group * row_group
+            grouped = rows[:full].view(full // row_group, row_group, *rows.shape[1:])
+            rows = torch.cat([grouped.transpose(1, 2).reshape(-1),
+                              rows[full:].transpose(0, 1).reshape(-1)])
+        return QuantizedWeight(self.fmt, rows.reshape(self.blocks.shape).contiguous(),
+                               self.shape, row_group)
 
     @property
     def nbytes(self) -> int:
@@ -83,7 +120,7 @@ def quantize(weight: torch.Tensor, fmt: str | QuantFormat) -> QuantizedWeight:
 def dequantize(qweight: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """-> [N, K] in dtype (computed in fp32, where every format's weights are exact)."""
     fmt, (n, k) = qweight.fmt, qweight.shape
-    blocks = qweight.blocks.view(n, -1, fmt.block_bytes)  # [N, nb, bytes]
+    blocks = qweight.block_rows()  # [N, nb, bytes]
     d = blocks[..., 0:2].contiguous().view(torch.float16).float()  # [N, nb, 1]
     values = blocks[..., fmt.header_bytes:]
     if fmt.name == "Q8_0":
@@ -109,8 +146,8 @@ def quant_linear_reference(x: torch.Tensor, qweight: QuantizedWeight,
 def block_integers(qweight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (q int32 [N, nb, 32], d fp32 [N, nb], m fp32 [N, nb]) with w = q * d + m exactly:
     q signed for Q8_0, q - 8 for Q4_0 (m 0), the unsigned nibble for Q4_1."""
-    fmt, (n, _) = qweight.fmt, qweight.shape
-    blocks = qweight.blocks.view(n, -1, fmt.block_bytes)  # [N, nb, bytes]
+    fmt = qweight.fmt
+    blocks = qweight.block_rows()  # [N, nb, bytes]
     d = blocks[..., 0:2].contiguous().view(torch.float16).float()[..., 0]  # [N, nb]
     m = torch.zeros_like(d)
     values = blocks[..., fmt.header_bytes:]

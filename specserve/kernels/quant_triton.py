@@ -76,7 +76,7 @@ def quant_matmul_triton(x: torch.Tensor, qweight: QuantizedWeight,
     n, k = qweight.shape
     if x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"x {tuple(x.shape)} does not match a {n}x{k} weight")
-    blocks = qweight.blocks
+    blocks = qweight.with_row_group(1).blocks  # the kernel reads GGUF's row order
     check_launchable(x, blocks)
     x = x.contiguous()
     m = x.shape[0]

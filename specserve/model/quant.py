@@ -27,7 +27,14 @@ from torch import nn
 
 from ..distributed import WHOLE, TPShard, all_reduce_sum
 from ..kernels.quant import quant_linear
-from ..kernels.quant_reference import BLOCK, FORMATS, QuantizedWeight, quant_format, quantize
+from ..kernels.quant_reference import (
+    BLOCK,
+    FORMATS,
+    ROW_GROUP,
+    QuantizedWeight,
+    quant_format,
+    quantize,
+)
 from .parallel import ColumnParallelLinear, RowParallelLinear
 
 # The quantization names of LLM(quantization=...) and --quantization -> GGUF block format.
@@ -47,11 +54,16 @@ def resolve_quantization(name: str | None) -> str | None:
 
 class QuantizedLinear(nn.Module):
     """y = x dequantize(W)^T + b with W in GGUF blocks; `shard` is a row-parallel layer's
-    tensor-parallel shard, whose partial products are summed across ranks (WHOLE: no sum)."""
+    tensor-parallel shard, whose partial products are summed across ranks (WHOLE: no sum).
+
+    On the CPU the blocks are kept with their rows grouped (QuantizedWeight.row_group: the C
+    kernel then reads each thread's weights as one stream), elsewhere in GGUF's row order (the
+    Triton kernel's); moving the module converts them."""
 
     def __init__(self, qweight: QuantizedWeight, bias: torch.Tensor | None,
                  shard: TPShard = WHOLE) -> None:
         super().__init__()
+        qweight = qweight.with_row_group(_row_group(qweight.blocks.device))
         self.register_buffer("blocks", qweight.blocks)  # [N, row_bytes] uint8
         self.register_buffer("bias", bias)
         self.qweight = qweight
@@ -59,7 +71,10 @@ class QuantizedLinear(nn.Module):
 
     def _apply(self, fn, recurse: bool = True):
         super()._apply(fn, recurse)  # moves the blocks buffer: keep qweight pointing at it
-        self.qweight = QuantizedWeight(self.qweight.fmt, self.blocks, self.qweight.shape)
+        moved = QuantizedWeight(self.qweight.fmt, self.blocks, self.qweight.shape,
+                                self.qweight.row_group)
+        self.qweight = moved.with_row_group(_row_group(self.blocks.device))
+        self.blocks = self.qweight.blocks
         return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -69,6 +84,10 @@ class QuantizedLinear(nn.Module):
     def extra_repr(self) -> str:
         n, k = self.qweight.shape
         return f"in_features={k}, out_features={n}, format={self.qweight.fmt.name}"
+
+
+def _row_group(device: torch.device) -> int:
+    return ROW_GROUP if device.type == "cpu" else 1
 
 
 def quantize_model(model: nn.Module, quantization: str | None) -> nn.Module:

@@ -15,7 +15,9 @@ from specserve.kernels import cpu_build, quant, quant_cpu
 from specserve.kernels.quant_reference import (
     BLOCK,
     FORMATS,
+    ROW_GROUP,
     QuantizedWeight,
+    block_integers,
     dequantize,
     quant_format,
     quant_linear_int_reference,
@@ -71,11 +73,12 @@ def test_k_pads_to_whole_blocks():
     assert dequantize(qw).shape == (3, 40)
 
 
+@pytest.mark.parametrize("row_group", [1, ROW_GROUP])
 @pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 7, 12, 16])
-def test_kernel_matches_reference(isa: str, fmt: str, m: int, n: int, k: int):
-    qw = quantize(_randn(n, k, seed=n + k), fmt)
+def test_kernel_matches_reference(isa: str, fmt: str, m: int, n: int, k: int, row_group: int):
+    qw = quantize(_randn(n, k, seed=n + k), fmt).with_row_group(row_group)
     x = _randn(m, k, seed=m).to(torch.bfloat16)
     want = quant_linear_reference(x.float(), qw)  # [m, n] fp32
     got = quant_cpu.quant_matmul(x, qw, isa=isa, out_dtype=torch.float32, act="fp32")
@@ -91,12 +94,15 @@ def test_kernel_matches_reference(isa: str, fmt: str, m: int, n: int, k: int):
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 7, 12, 16])
 def test_int_kernel_gives_its_models_bits(isa: str, fmt: str, m: int, n: int, k: int, act: str):
     """Integer activations: exact integers and the same fp32 operations in the same order on
-    every path, so the kernel equals its PyTorch model bit for bit."""
+    every path, so the kernel equals its PyTorch model bit for bit, in either row order."""
     qw = quantize(_randn(n, k, seed=n + k), fmt)
     x = _randn(m, k, seed=m).to(torch.bfloat16)
     got = quant_cpu.quant_matmul(x, qw, isa=isa, out_dtype=torch.float32, act=act)
     assert got.shape == (m, n) and got.dtype == torch.float32
     assert torch.equal(got, quant_linear_int_reference(x.float(), qw, act=act))
+    grouped = qw.with_row_group(ROW_GROUP)
+    assert torch.equal(quant_cpu.quant_matmul(x, grouped, isa=isa, out_dtype=torch.float32,
+                                              act=act), got)
 
 
 @pytest.mark.parametrize("act", INT_ACTS)
@@ -150,12 +156,13 @@ def test_int_kernel_rounds_ties_to_even(isa: str, fmt: str, act: str):
     assert not torch.equal(got, quant_linear_int_reference(x + 0.25, qw, act=act))  # ties matter
 
 
+@pytest.mark.parametrize("row_group", [1, ROW_GROUP])
 @pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("fmt", list(FORMATS))
-def test_rows_are_bit_identical_alone_or_together(isa: str, fmt: str, act: str):
+def test_rows_are_bit_identical_alone_or_together(isa: str, fmt: str, act: str, row_group: int):
     """A row's output must not depend on how many rows share the call (greedy speculation
     equals plain decoding only then)."""
-    qw = quantize(_randn(67, 1000, seed=3), fmt)
+    qw = quantize(_randn(67, 1000, seed=3), fmt).with_row_group(row_group)
     x = _randn(16, 1000, seed=4).to(torch.bfloat16)
     together = quant_cpu.quant_matmul(x, qw, isa=isa, out_dtype=torch.float32,
                                       act=act)  # [16, 67]
@@ -180,6 +187,29 @@ def test_bias_and_output_dtype(isa: str, dtype: torch.dtype, act: str):
         torch.testing.assert_close(got, want32, rtol=1e-5, atol=1e-5)
     else:  # one bf16 rounding of the fp32 sum (+ bias), maybe one step apart
         torch.testing.assert_close(got.float(), want32.to(dtype).float(), rtol=2 ** -7, atol=1e-6)
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("n", [1, 3, 4, 13, 64])
+def test_grouped_rows_hold_the_same_blocks(fmt: str, n: int):
+    """Grouped order: each group of ROW_GROUP rows (the last may hold fewer) block by block;
+    every reader sees the same weight either way."""
+    qw = quantize(_randn(n, 70, seed=n), fmt)
+    grouped = qw.with_row_group(ROW_GROUP)
+    assert grouped.row_group == ROW_GROUP and grouped.blocks.shape == qw.blocks.shape
+    assert torch.equal(grouped.block_rows(), qw.block_rows())
+    assert torch.equal(grouped.with_row_group(1).blocks, qw.blocks)
+    assert torch.equal(dequantize(grouped), dequantize(qw))
+    for got, want in zip(block_integers(grouped), block_integers(qw), strict=True):
+        assert torch.equal(got, want)
+    flat, bb, row_bytes = grouped.blocks.view(-1), FORMATS[fmt].block_bytes, qw.blocks.shape[1]
+    for row in range(n):  # block 1 of each row: its group's start, then rows in its group
+        first = row // ROW_GROUP * ROW_GROUP
+        in_group = min(ROW_GROUP, n - first)
+        at = first * row_bytes + (1 * in_group + row - first) * bb
+        assert torch.equal(flat[at:at + bb], qw.blocks[row, bb:2 * bb]), row
+    with pytest.raises(ValueError, match="row_group"):
+        QuantizedWeight(qw.fmt, qw.blocks, qw.shape, row_group=3)
 
 
 def test_quant_linear_paths_agree():

@@ -51,6 +51,28 @@ def test_bf16_model_quantizes_too(tmp_path):
     assert 0 < float(diff.mean()) < mean_tol and float(diff.max()) < max_tol, diff
 
 
+def test_cpu_blocks_are_kept_with_rows_grouped(tiny_target):
+    """On the CPU, the C kernel's grouped row order; moved off it, GGUF's own again (the Triton
+    kernel's), with the same weight either way."""
+    from specserve.kernels.quant_reference import ROW_GROUP, dequantize
+
+    model = load_model(tiny_target, dtype="float32", quantization="int8")
+    linear = next(m for m in model.modules() if isinstance(m, QuantizedLinear))
+    assert linear.qweight.row_group == ROW_GROUP and linear.qweight.blocks is linear.blocks
+    weight = dequantize(linear.qweight)
+    linear.to("meta")  # any other device
+    assert linear.qweight.row_group == 1 and linear.blocks.device.type == "meta"
+    assert linear.qweight.blocks is linear.blocks
+    model = load_model(tiny_target, dtype="float32", quantization="int8")
+    linear = next(m for m in model.modules() if isinstance(m, QuantizedLinear))
+    moved = linear.qweight.with_row_group(1)
+    linear.blocks = moved.blocks  # as if it came back from a GPU in GGUF's order
+    linear.qweight = moved
+    linear.to("cpu")
+    assert linear.qweight.row_group == ROW_GROUP
+    assert torch.equal(dequantize(linear.qweight), weight)
+
+
 def test_decode_rows_take_the_cpu_kernel(tiny_target, monkeypatch):
     """Layer by layer (the whole stack in C calls the same kernel from C: test_cpu_stack)."""
     if quant_cpu.library() is None:
@@ -183,7 +205,7 @@ def test_gguf_head_computes_logits_on_the_file_blocks(tmp_path, tied, fmt):
                                          shape=qw.shape, raw=qw.blocks.numpy())}
         replaced = use_file_blocks(model, tensors)
         assert replaced == ["embed_tokens" if tied else "lm_head"]
-        rows = head.file_head.qweight.blocks  # [shard_size, bytes]
+        rows = head.file_head.qweight.block_rows().flatten(1)  # [shard_size, bytes], by row
         end = min(head.vocab_start + head.shard_size, qw.shape[0])
         assert torch.equal(rows[:end - head.vocab_start], qw.blocks[head.vocab_start:end])
         assert not rows[end - head.vocab_start:].any()  # padding rows: zero weights
