@@ -132,7 +132,12 @@ SIMD_INLINE dot_vec dot_split(__m256i v) {
     return d;
 }
 SIMD_INLINE dot_vec dot_load(const uint16_t *p) {
-    return dot_split(_mm256_loadu_si256((const __m256i *)p));
+    __m256i v = _mm256_loadu_si256((const __m256i *)p);
+    /* One load: left alone, the compiler folds a second load of p into the mask, and a few-row
+     * product is bound by loads (5 rows: 10 activation loads and 2 of the weight per 10 FMAs;
+     * from cache, 5% faster with one). */
+    __asm__("" : "+x"(v));
+    return dot_split(v);
 }
 SIMD_INLINE dot_vec dot_load_tail(const uint16_t *p, int64_t n) {
     uint16_t buf[DOT_K] = {0};
