@@ -12,7 +12,9 @@ decide every greedy token.
 The GGUF names (`q8_0`, `q4_0`, `q4_1`) are accepted too, for one exact format.
 
 `use_file_blocks` does the same for a GGUF checkpoint's own Q8_0 / Q4_0 / Q4_1 tensors: their
-blocks are the kernels' layout, so they run as stored, with no re-quantization. A quantized LM
+blocks are the kernels' format, so they run as stored, with no re-quantization (on the CPU their
+rows are regrouped once at load, the same bytes in the order the kernel streams them:
+QuantizedLinear). A quantized LM
 head in the file computes the logits on its blocks too: the file holds no other values for it
 (the dense head is their exact dequantization), and they are a quarter of fp32's bytes.
 """
