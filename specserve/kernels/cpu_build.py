@@ -7,7 +7,8 @@ threads take `num_threads` from the caller, who passes `torch.get_num_threads()`
 
 ISA paths (`SPECSERVE_CPU_ISA`, default: the best this CPU supports, from /proc/cpuinfo, among
 the verified ones: see UNVERIFIED_ISAS):
-  avx512    AVX-512 F/BW/VL + BF16 (VDPBF16PS products), with AVX2, FMA and F16C
+  avx512    AVX-512 F/BW/VL + BF16 (VDPBF16PS products) + VNNI (the quantized kernel's integer
+            dots), with AVX2, FMA and F16C
   avx2      AVX2 + FMA + F16C (bf16 widened to fp32 by shifts, fp32 FMAs; F16C converts the
             quantized blocks' fp16 scales)
   portable  plain C with GCC/Clang vector extensions, no -m flags (any CPU)
@@ -84,13 +85,15 @@ KERNELS: dict[str, dict[str, Signature]] = {
 
 # Best first. `required` are /proc/cpuinfo flag names.
 ISA_FLAGS: dict[str, list[str]] = {
-    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx2", "-mfma",
-               "-mf16c", "-DSPECSERVE_ISA_AVX512"],
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni",
+               "-mavx2", "-mfma", "-mf16c", "-DSPECSERVE_ISA_AVX512"],
     "avx2": ["-mavx2", "-mfma", "-mf16c", "-DSPECSERVE_ISA_AVX2"],
     "portable": ["-DSPECSERVE_ISA_PORTABLE"],
 }
 ISA_REQUIRES: dict[str, set[str]] = {
-    "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx2", "fma", "f16c"},
+    # VNNI: the quantized kernel's integer dots; every CPU with AVX-512 BF16 has it.
+    "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "avx2", "fma",
+               "f16c"},
     "avx2": {"avx2", "fma", "f16c"},  # F16C: every AVX2 CPU has it (the quant kernel's scales)
     "portable": set(),
 }

@@ -57,7 +57,10 @@
  *
  * Written once over cpu_simd.h's fp32 vectors; only the unpacking of a block into vectors and
  * the integer dot products differ per ISA (the AVX-512 build runs the 256-bit AVX2 integer code,
- * which its -m flags include). Built by cpu_build.py; called through specserve/kernels/quant_cpu.py.
+ * which its -m flags include, with AVX-512 VNNI's dot instructions in place of each multiply-add
+ * pair: VPDPBUSD for maddubs + madd, VPDPWSSD for madd + add; both sum exactly the same
+ * integers, and neither saturates). Built by cpu_build.py; called through
+ * specserve/kernels/quant_cpu.py.
  */
 #include <math.h>
 #include <stdint.h>
@@ -387,9 +390,15 @@ SIMD_INLINE __m256i block_bytes_vec(const uint8_t *b, const int fmt) {
  * 127, so no pair of int16 products saturates: 2 * 128 * 127 < 2^15); nibbles are unsigned
  * already (2 * 15 * 127). */
 SIMD_INLINE __m256i block_dot(const int fmt, __m256i wv, __m256i aw, __m256i xv) {
+#if defined(SPECSERVE_ISA_AVX512)
+    const __m256i zero = _mm256_setzero_si256();
+    return fmt == FMT_Q8_0 ? _mm256_dpbusd_epi32(zero, aw, _mm256_sign_epi8(xv, wv))
+                           : _mm256_dpbusd_epi32(zero, wv, xv);
+#else
     const __m256i pairs = fmt == FMT_Q8_0 ? _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wv))
                                           : _mm256_maddubs_epi16(wv, xv);
     return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+#endif
 }
 
 /* The four totals of four vectors of eight int32 each, by a transpose of unpacks and adds:
@@ -400,7 +409,8 @@ SIMD_INLINE __m128i sum4(__m256i a, __m256i b, __m256i c, __m256i d) {
     const __m256i ab = _mm256_add_epi32(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b));
     const __m256i cd = _mm256_add_epi32(_mm256_unpacklo_epi32(c, d), _mm256_unpackhi_epi32(c, d));
     /* a b c d each summed over lanes 0..3 | over lanes 4..7 */
-    const __m256i s = _mm256_add_epi32(_mm256_unpacklo_epi64(ab, cd), _mm256_unpackhi_epi64(ab, cd));
+    const __m256i s = _mm256_add_epi32(_mm256_unpacklo_epi64(ab, cd),
+                                       _mm256_unpackhi_epi64(ab, cd));
     return _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
 }
 
@@ -437,9 +447,14 @@ SIMD_INLINE void block_words(const uint8_t *b, const int fmt, __m256i words[2]) 
 /* Eight int32 partial sums of xq * w over one block of int16 activations (x: 32 of them); no
  * pair of products overflows (2 * 128 * 32767 < 2^31). */
 SIMD_INLINE __m256i block_dot16(const __m256i words[2], const int16_t *x) {
-    return _mm256_add_epi32(
-        _mm256_madd_epi16(words[0], _mm256_loadu_si256((const __m256i *)x)),
-        _mm256_madd_epi16(words[1], _mm256_loadu_si256((const __m256i *)(x + 16))));
+    const __m256i x0 = _mm256_loadu_si256((const __m256i *)x);
+    const __m256i x1 = _mm256_loadu_si256((const __m256i *)(x + 16));
+#if defined(SPECSERVE_ISA_AVX512)
+    return _mm256_dpwssd_epi32(_mm256_dpwssd_epi32(_mm256_setzero_si256(), words[0], x0),
+                               words[1], x1);
+#else
+    return _mm256_add_epi32(_mm256_madd_epi16(words[0], x0), _mm256_madd_epi16(words[1], x1));
+#endif
 }
 
 /* MR activation rows x NR weight rows over all blocks: one fp32 lane per output. */

@@ -28,7 +28,8 @@ def isa_env(monkeypatch: pytest.MonkeyPatch):
     cpu_build.selected_isa.cache_clear()
 
 
-AVX512_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx2", "fma", "f16c"}
+AVX512_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "avx2", "fma",
+                "f16c"}
 
 
 def test_default_is_the_best_isa_the_cpu_supports(isa_env):
