@@ -159,11 +159,11 @@ int paged_attention(const void *q, const void *k_cache, const void *v_cache, int
          * once (kf, vf_copy). */
         const float **k_rows = malloc(sizeof(float *) * (size_t)max_len);
         const float **v_rows = malloc(sizeof(float *) * (size_t)max_len);
-        const size_t copy_bytes =
-            is_f32 ? 64 : ((size_t)max_len * D * sizeof(float) + 63) / 64 * 64;
-        float *kf = aligned_alloc(64, copy_bytes), *vf_copy = aligned_alloc(64, copy_bytes);
+        const size_t copy_bytes = ((size_t)max_len * D * sizeof(float) + 63) / 64 * 64;
+        float *kf = is_f32 ? NULL : aligned_alloc(64, copy_bytes);
+        float *vf_copy = is_f32 ? NULL : aligned_alloc(64, copy_bytes);
         float *qf = aligned_alloc(64, ((size_t)D * sizeof(float) + 63) / 64 * 64);
-        const int ok = scores && k_rows && v_rows && kf && vf_copy && qf;
+        const int ok = scores && k_rows && v_rows && (is_f32 || (kf && vf_copy)) && qf;
         if (!ok) {
 #pragma omp atomic write
             failed = 1;

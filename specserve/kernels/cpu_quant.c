@@ -6,7 +6,7 @@
  *   one of two orders (`group`): 1, GGUF's own (row by row, so a .gguf file's Q8_0 / Q4_0 /
  *   Q4_1 rows can run as they are), or ROW_GROUP: each group of ROW_GROUP consecutive rows
  *   (the last may hold fewer) stored block by block, the group's rows' block 0, then their
- *   block 1, ... (specserve/kernels/quant_reference.py: group_rows). A thread then reads its
+ *   block 1, ... (quant_reference.py: QuantizedWeight.with_row_group). A thread then reads its
  *   weights as one sequential stream instead of one short stream per row of a tile: 2-core
  *   Zen 3, the widened model's 24 layers of Q8_0 from memory at one activation row, about
  *   23 -> 19 ms. y [M, N] bf16 or fp32.
