@@ -22,6 +22,7 @@ from safetensors import safe_open
 from ..distributed import TPShard, shard_for_checkpoint
 from ..kernels.quant_reference import FORMATS
 from .architectures import ArchSpec, DecoderLM
+from .huge_pages import move_to_huge_pages
 from .parallel import QUANT_BLOCK, check_split
 from .quant import quantize_model, resolve_quantization, use_file_blocks
 
@@ -136,7 +137,15 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto",
     path = Path(path)
     shard = shard if shard is not None else shard_for_checkpoint(path)
     if is_gguf(path):
-        return _load_gguf(path, dtype, device, quantization, shard)
+        model = _load_gguf(path, dtype, device, quantization, shard)
+    else:
+        model = _load_hf(path, dtype, device, quantization, shard, target)
+    move_to_huge_pages(model)  # a CPU model's weights: see huge_pages.py
+    return model
+
+
+def _load_hf(path: Path, dtype: str | torch.dtype, device: str | torch.device,
+             quantization: str | None, shard: TPShard, target: DecoderLM | None) -> DecoderLM:
     config = load_hf_config(path)
     spec = ArchSpec.from_hf_config(config)
     if spec.shared_embeddings and target is None:
