@@ -4,9 +4,9 @@
  * y[m, n] = sum_k x[m, k] * w[n, k]   (x [M, K] bf16, w [N, K] bf16 row-major, y [M, N] fp32)
  *
  * At decode a step has a few rows (one token, a chain or a small tree of draft tokens), so the
- * product is bound by reading w once. Threads split w into contiguous blocks of NR rows; for
- * each chunk of up to MR activation rows (balanced: 5 rows with MR 3 run as 3 + 2) a
- * micro-kernel walks K in dot steps (cpu_simd.h), keeping MR x NR x DOT_U accumulators in
+ * product is bound by reading w once. Threads split w into contiguous blocks of rows; for each
+ * chunk of up to MR_MAX activation rows (balanced: 8 rows run as 4 + 4) a micro-kernel walks K
+ * in dot steps (cpu_simd.h) against one weight row, keeping MR x DOT_U accumulators in
  * registers (DOT_U: independent accumulators per output, to hide the multiply-add latency).
  * The activations are converted to dot steps once per call (on AVX2 bf16 -> fp32 even/odd
  * lanes), so the inner loop only widens weights: 5 rows ran 25% faster than converting them
@@ -19,16 +19,18 @@
  * is computed alone or among other rows, by either kernel. The order depends only on K and the
  * ISA.
  *
- * Two shapes:
- * - one or two activation rows, or up to SEQUENTIAL_ROWS rows of fewer than WIDE_K features:
- *   NR = 1, so each thread reads w as one sequential stream (about twice the bandwidth of
- *   interleaving several rows' streams, measured on AVX-512);
- * - otherwise NR = WIDE_NR, so each activation chunk loaded feeds several weight rows: with wide
- *   rows (an MLP down projection, K = 4096) the activations no longer fit in L1, so reading
- *   them once per weight row would double the time (AVX-512, 5 rows x 4096: 31 -> 17 ms per
- *   400 MB of weights).
+ * Two shapes, both one weight row at a time (reading several rows' streams at once ran slower
+ * than one: about half the bandwidth, measured on AVX-512):
+ * - whole rows (each thread reads its block of w as one sequential stream), while a chunk's activations fit in L1 (X_L1_BYTES): every weight row against
+ *   every chunk, its values loaded once per chunk;
+ * - K-blocked, from 3 rows on when they do not (an MLP down projection, K = 4096): panels of
+ *   PANEL_ROWS weight rows, walked one block of steps at a time (the chunk's activations for the
+ *   block stay in L1 while the panel's rows pass), with the accumulators carried between blocks
+ *   (the same step order, so the same bits). AVX2, 2-core Zen 3, the widened model's down
+ *   projection at 5 rows, one run: 14.2 -> 12.2 ms per 24 layers, where the block ran 3 + 2
+ *   activation rows against two weight rows at a time, re-reading both for the second chunk.
  *
- * The micro-kernel is always inlined with constant MR, NR and DOT_U, so the compiler unrolls
+ * The micro-kernel is always inlined with constant MR and DOT_U, so the compiler unrolls
  * its loops and keeps every accumulator in a register (with run-time sizes it spills them).
  *
  * Results are written in fp32, or in bf16 with the bias added (the layer output in one pass).
@@ -42,31 +44,22 @@
 #include "cpu_kernels.h"
 #include "cpu_simd.h"
 
-/* Blocking per ISA, from its register file: AVX-512 has 32 vector registers, AVX2 16 (a dot_acc
- * is two), portable C 16 SSE-sized ones (a dot_acc is two); DOT_U: cpu_dot_order.h. AVX2
- * measured on a 2-core Zen 3, from cache, per core: 1 row 21 GFLOP/s, 5 rows 66 (MR_NARROW 4,
- * so 3 + 2: 53). */
-#if defined(SPECSERVE_ISA_AVX512)
-#define WIDE_NR 4
-#define MR_NARROW 6 /* MR with NR = 1 */
-#define MR_WIDE 3   /* MR with NR = WIDE_NR */
-#elif defined(SPECSERVE_ISA_AVX2)
-#define WIDE_NR 2
-#define MR_NARROW 6
-#define MR_WIDE 3
+/* Activation rows per micro-kernel call, from the register file: MR_MAX x DOT_U accumulators
+ * (a dot_acc is two registers on AVX2 and portable C) beside one weight step. AVX2 measured on
+ * a 2-core Zen 3, from cache, per core: 1 row 21 GFLOP/s, 5 rows 66 (MR 4, so 3 + 2: 53). */
+#if defined(SPECSERVE_ISA_PORTABLE)
+#define MR_MAX 3
 #else
-#define WIDE_NR 2
-#define MR_NARROW 3
-#define MR_WIDE 1
+#define MR_MAX 6
 #endif
-#define SEQUENTIAL_ROWS 8
-#define WIDE_K 2048
+#define X_L1_BYTES (24 * 1024) /* a chunk's activations up to this stay in L1: whole rows */
+#define PANEL_ROWS 8           /* weight rows a K-block of activations meets while in L1 */
 #define X_BLOCK_BYTES (256 * 1024)
 #define PARALLEL_MIN_MACS (1 << 18)
 /* Weights fetched this many values ahead of the products, per weight row: at a few activation
  * rows the products take long enough that the hardware prefetchers fall behind. 2-core Zen 3,
  * AVX2, the widened model's 24 layers from memory, one run: 1 row 30.5 -> 27.9 ms, 5 rows
- * 43.8 -> 41.2 ms (256 and 1024 values ahead: no better). */
+ * 43.8 -> 41.2 ms (256 to 4096 values ahead: no better, with 4 KiB or 2 MiB pages). */
 #define PREFETCH_VALUES 512
 
 /* x [M, K] in dot_vec form, each row zero-padded to whole steps: converted once per call
@@ -76,89 +69,109 @@ typedef struct {
     int64_t steps; /* dot_vec per row: ceil(K / DOT_K) */
 } Prepared;
 
+/* Steps [s0, s1) of MR activation rows (x, row stride x_steps) against one weight row w of K
+ * values: acc[i] (row i's DOT_U accumulators) in and out, in cpu_dot_order.h's order (s0 a
+ * multiple of DOT_U). `ahead` moves with the steps and is prefetched: the weights this thread
+ * reads after these. */
 static inline __attribute__((always_inline)) void micro_kernel(
-    const int MR, const int NR, const dot_vec *x, int64_t x_steps, const uint16_t *w, Output y,
-    int64_t N, int64_t K) {
-    dot_acc acc[6][WIDE_NR][DOT_U]; /* MR <= 6 */
+    const int MR, const dot_vec *x, int64_t x_steps, const uint16_t *w, const uint16_t *ahead,
+    dot_acc (*acc)[DOT_U], int64_t s0, int64_t s1, int64_t main_steps, int64_t K) {
+    dot_acc a[MR_MAX][DOT_U];
 #pragma GCC unroll 8
     for (int i = 0; i < MR; i++)
 #pragma GCC unroll 8
-        for (int r = 0; r < NR; r++)
-#pragma GCC unroll 8
-            for (int u = 0; u < DOT_U; u++) acc[i][r][u] = dot_zero();
-    int64_t k = 0, s = 0;
-    for (; k + DOT_K * DOT_U <= K; k += DOT_K * DOT_U, s += DOT_U) {
+        for (int u = 0; u < DOT_U; u++) a[i][u] = acc[i][u];
+    const int64_t round_end = s1 < main_steps ? s1 : main_steps;
+    int64_t s = s0;
+    for (; s < round_end; s += DOT_U) {
+        __builtin_prefetch(ahead + (s - s0) * DOT_K);
 #pragma GCC unroll 8
         for (int u = 0; u < DOT_U; u++) {
-            dot_vec wv[WIDE_NR];
+            const dot_vec wv = dot_load(w + (s + u) * DOT_K);
 #pragma GCC unroll 8
-            for (int r = 0; r < NR; r++) {
-                if (u == 0) __builtin_prefetch(w + r * K + k + PREFETCH_VALUES);
-                wv[r] = dot_load(w + r * K + k + DOT_K * u);
-            }
-#pragma GCC unroll 8
-            for (int i = 0; i < MR; i++) {
-                const dot_vec xv = x[i * x_steps + s + u];
-#pragma GCC unroll 8
-                for (int r = 0; r < NR; r++) acc[i][r][u] = dot_step(acc[i][r][u], xv, wv[r]);
-            }
+            for (int i = 0; i < MR; i++) a[i][u] = dot_step(a[i][u], x[i * x_steps + s + u], wv);
         }
     }
-    for (; k < K; k += DOT_K, s++) { /* leftover whole steps, then the tail, into accumulator 0 */
-        const int64_t n = K - k < DOT_K ? K - k : DOT_K;
-        dot_vec wv[WIDE_NR];
+    for (; s < s1; s++) { /* leftover whole steps, then the tail, into accumulator 0 */
+        const dot_vec wv = dot_load_step(w, s, K);
 #pragma GCC unroll 8
-        for (int r = 0; r < NR; r++)
-            wv[r] = n == DOT_K ? dot_load(w + r * K + k) : dot_load_tail(w + r * K + k, n);
-#pragma GCC unroll 8
-        for (int i = 0; i < MR; i++) {
-            const dot_vec xv = x[i * x_steps + s];
-#pragma GCC unroll 8
-            for (int r = 0; r < NR; r++) acc[i][r][0] = dot_step(acc[i][r][0], xv, wv[r]);
-        }
+        for (int i = 0; i < MR; i++) a[i][0] = dot_step(a[i][0], x[i * x_steps + s], wv);
     }
 #pragma GCC unroll 8
     for (int i = 0; i < MR; i++)
 #pragma GCC unroll 8
-        for (int r = 0; r < NR; r++) {
-            dot_acc total = acc[i][r][0];
-#pragma GCC unroll 8
-            for (int u = 1; u < DOT_U; u++) total = dot_add(total, acc[i][r][u]);
-            store(y, i * N + r, r, dot_sum(total));
-        }
+        for (int u = 0; u < DOT_U; u++) acc[i][u] = a[i][u];
 }
 
-/* One activation chunk of mr rows against NR weight rows (mr never exceeds the MR of NR). */
-#define DISPATCH_MR(NR)                                                    \
-    switch (mr) {                                                          \
-        case 1: micro_kernel(1, NR, xs, x.steps, ws, ys, N, K); break;     \
-        case 2: micro_kernel(2, NR, xs, x.steps, ws, ys, N, K); break;     \
-        case 3: micro_kernel(3, NR, xs, x.steps, ws, ys, N, K); break;     \
-        case 4: micro_kernel(4, NR, xs, x.steps, ws, ys, N, K); break;     \
-        case 5: micro_kernel(5, NR, xs, x.steps, ws, ys, N, K); break;     \
-        default: micro_kernel(6, NR, xs, x.steps, ws, ys, N, K); break;    \
+/* One activation chunk of mr rows (mr <= MR_MAX): micro_kernel with a constant MR. */
+static void chunk_steps(int mr, const dot_vec *x, int64_t x_steps, const uint16_t *w,
+                        const uint16_t *ahead, dot_acc (*acc)[DOT_U], int64_t s0, int64_t s1,
+                        int64_t main_steps, int64_t K) {
+#define CHUNK(MR) micro_kernel(MR, x, x_steps, w, ahead, acc, s0, s1, main_steps, K)
+    switch (mr) {
+        case 1: CHUNK(1); break;
+        case 2: CHUNK(2); break;
+        case 3: CHUNK(3); break;
+#if MR_MAX > 3
+        case 4: CHUNK(4); break;
+        case 5: CHUNK(5); break;
+        case 6: CHUNK(6); break;
+#endif
+        default: break;
     }
+#undef CHUNK
+}
 
-/* Weight rows [n0, n0 + nr) against every row of x, in balanced chunks of at most mr_max. */
-static void weight_block(Prepared x, const uint16_t *w, Output y, int64_t M, int64_t N,
-                         int64_t K, int64_t n0, int nr, int block_rows) {
-    const int mr_max = block_rows == 1 ? MR_NARROW : MR_WIDE;
-    const int64_t chunks = (M + mr_max - 1) / mr_max;
-    int64_t m0 = 0;
+/* Rows [m0, m0 + mr) of the c-th of `chunks` balanced chunks of M rows. */
+static inline int chunk_rows(int64_t M, int64_t chunks, int64_t c, int64_t *m0) {
+    *m0 = M * c / chunks;
+    return (int)(M * (c + 1) / chunks - *m0);
+}
+
+static inline void zero(dot_acc (*acc)[DOT_U], int rows) {
+    for (int i = 0; i < rows; i++)
+        for (int u = 0; u < DOT_U; u++) acc[i][u] = dot_zero();
+}
+
+/* Weight row n against every row of x, whole rows at a time. */
+static void whole_row(Prepared x, const uint16_t *w, Output y, int64_t M, int64_t N, int64_t K,
+                      int64_t n, int64_t chunks, int64_t main_steps) {
+    const uint16_t *wn = w + n * K;
     for (int64_t c = 0; c < chunks; c++) {
-        const int64_t left = M - m0, parts = chunks - c;
-        const int mr = (int)((left + parts - 1) / parts);
-        const dot_vec *xs = x.v + m0 * x.steps;
-        const uint16_t *ws = w + n0 * K;
-        Output ys = output_at(y, m0 * N + n0, n0);
-        m0 += mr;
-        if (block_rows == 1) {
-            DISPATCH_MR(1)
-        } else if (nr == WIDE_NR) {
-            DISPATCH_MR(WIDE_NR)
-        } else { /* ragged edge of w: one row at a time */
-            for (int r = 0; r < nr; r++, ws += K, ys = output_at(ys, 1, 1)) DISPATCH_MR(1)
+        int64_t m0;
+        const int mr = chunk_rows(M, chunks, c, &m0);
+        dot_acc acc[MR_MAX][DOT_U];
+        zero(acc, mr);
+        chunk_steps(mr, x.v + m0 * x.steps, x.steps, wn, wn + PREFETCH_VALUES, acc, 0, x.steps,
+                    main_steps, K);
+        for (int i = 0; i < mr; i++) store(y, (m0 + i) * N + n, n, dot_total(acc[i]));
+    }
+}
+
+/* Weight rows [n0, n0 + nr) (nr <= PANEL_ROWS) against every row of x, one block of kb steps
+ * at a time: a chunk's activations for a block stay in L1 while the panel's rows pass. */
+static void panel(Prepared x, const uint16_t *w, Output y, int64_t M, int64_t N, int64_t K,
+                  int64_t n0, int nr, int64_t chunks, int64_t kb, int64_t main_steps) {
+    for (int64_t c = 0; c < chunks; c++) {
+        int64_t m0;
+        const int mr = chunk_rows(M, chunks, c, &m0);
+        dot_acc acc[PANEL_ROWS][MR_MAX][DOT_U];
+        for (int r = 0; r < nr; r++) zero(acc[r], mr);
+        for (int64_t s0 = 0; s0 < x.steps; s0 += kb) {
+            const int64_t s1 = x.steps - s0 < kb ? x.steps : s0 + kb;
+            for (int r = 0; r < nr; r++) {
+                /* Read next: the panel's next row in this block, else its first row's next
+                 * block, else the next panel. */
+                const uint16_t *next = r + 1 < nr ? w + (n0 + r + 1) * K + s0 * DOT_K
+                                       : s1 < x.steps ? w + n0 * K + s1 * DOT_K
+                                                      : w + (n0 + nr) * K;
+                chunk_steps(mr, x.v + m0 * x.steps, x.steps, w + (n0 + r) * K, next, acc[r], s0,
+                            s1, main_steps, K);
+            }
         }
+        for (int r = 0; r < nr; r++)
+            for (int i = 0; i < mr; i++)
+                store(y, (m0 + i) * N + n0 + r, n0 + r, dot_total(acc[r][i]));
     }
 }
 
@@ -177,11 +190,7 @@ static const dot_vec *prepare(const uint16_t *x, int64_t M, int64_t K, int64_t s
         }
     }
     for (int64_t i = 0; i < M; i++)
-        for (int64_t s = 0; s < steps; s++) {
-            const int64_t k = s * DOT_K, n = K - k < DOT_K ? K - k : DOT_K;
-            buffer[i * steps + s] =
-                n == DOT_K ? dot_load(x + i * K + k) : dot_load_tail(x + i * K + k, n);
-        }
+        for (int64_t s = 0; s < steps; s++) buffer[i * steps + s] = dot_load_step(x + i * K, s, K);
     return buffer;
 }
 
@@ -190,28 +199,37 @@ static const dot_vec *prepare(const uint16_t *x, int64_t M, int64_t K, int64_t s
 int gemv_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, float *y_f32,
               uint16_t *y_bf16, int64_t M, int64_t N, int64_t K, int num_threads) {
     const Output y = {y_f32, y_bf16, bias};
-    const int64_t steps = (K + DOT_K - 1) / DOT_K;
+    const int64_t steps = (K + DOT_K - 1) / DOT_K, main_steps = DOT_MAIN_STEPS(K);
     const Prepared xp = {prepare(x, M, K, steps), steps};
     if (xp.v == NULL) return -1;
-    const int block_rows = M <= 2 || (M <= SEQUENTIAL_ROWS && K < WIDE_K) ? 1 : WIDE_NR;
-    const int64_t num_blocks = (N + block_rows - 1) / block_rows;
     /* Many rows (a prompt chunk): a block of rows at a time, so the activations each weight
      * block meets stay in L2 instead of streaming from memory once per weight block. */
     int64_t m_block = X_BLOCK_BYTES / (steps * (int64_t)sizeof(dot_vec));
-    if (m_block < MR_NARROW) m_block = MR_NARROW;
+    if (m_block < MR_MAX) m_block = MR_MAX;
     /* A small product (the demo model's layers) is done before other threads would wake. */
 #pragma omp parallel num_threads(num_threads) if (M * N * K >= PARALLEL_MIN_MACS)
     for (int64_t m0 = 0; m0 < M; m0 += m_block) {
         const int64_t rows = M - m0 < m_block ? M - m0 : m_block;
         const Prepared xs = {xp.v + m0 * steps, steps};
         const Output ys = output_at(y, m0 * N, 0);
+        const int64_t chunks = (rows + MR_MAX - 1) / MR_MAX;
+        const int64_t chunk_bytes = (rows + chunks - 1) / chunks * steps * (int64_t)sizeof(dot_vec);
         /* No barrier between row blocks (they write different rows): one join per call, and
-         * static scheduling gives each thread the same weight blocks in every row block. */
+         * static scheduling gives each thread the same weight rows in every row block. */
+        if (rows <= 2 || chunk_bytes <= X_L1_BYTES) {
 #pragma omp for schedule(static) nowait
-        for (int64_t b = 0; b < num_blocks; b++) {
-            const int64_t n0 = b * block_rows;
-            const int nr = N - n0 < block_rows ? (int)(N - n0) : block_rows;
-            weight_block(xs, w, ys, rows, N, K, n0, nr, block_rows);
+            for (int64_t n = 0; n < N; n++) whole_row(xs, w, ys, rows, N, K, n, chunks, main_steps);
+        } else {
+            /* Blocks of steps holding half of L1's budget of activations, whole rounds. */
+            int64_t kb = X_L1_BYTES / 2 / (chunk_bytes / steps) / DOT_U * DOT_U;
+            if (kb < DOT_U) kb = DOT_U;
+            const int64_t panels = (N + PANEL_ROWS - 1) / PANEL_ROWS;
+#pragma omp for schedule(static) nowait
+            for (int64_t p = 0; p < panels; p++) {
+                const int64_t n0 = p * PANEL_ROWS;
+                const int nr = N - n0 < PANEL_ROWS ? (int)(N - n0) : PANEL_ROWS;
+                panel(xs, w, ys, rows, N, K, n0, nr, chunks, kb, main_steps);
+            }
         }
     }
     return 0;
