@@ -73,7 +73,7 @@ KERNELS: dict[str, dict[str, Signature]] = {
     },
     "cpu_decoder.c": {
         "decoder_layers": ([_p] * 3 + [_i32], ctypes.c_int),
-        "silu_mul_rows": ([_p] * 2 + [_i64] * 2 + [_i32], None),
+        "silu_mul_rows": ([_p] * 2 + [_i64] * 2 + [_i32] * 2, None),
     },
     "cpu_quant.c": {
         "quant_matmul": ([_p, _i32, _p, _i32, _i32, _p, _p, _i32] + [_i64] * 3 + [_i32],

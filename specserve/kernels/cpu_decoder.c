@@ -63,25 +63,39 @@ typedef struct {
     int32_t act_bits;                         /* quantized products: 0 fp32 activations, 8, 16 */
 } step_desc;
 
-static inline __attribute__((always_inline)) void silu_mul_body(const void *gate_up, void *y,
-                                                                 int64_t T, int64_t I,
+/* Values per unit of work of the gated activation, and the fewest values worth a second
+ * thread: about 2 ns a value on a 2-core Zen 3 (a 4096-wide row: 9 us alone, 5 us on two). */
+#define SILU_CHUNK 1024
+#define SILU_PARALLEL_MIN 4096
+
+/* Values [i0, i1) of row t (constant f32, so the loop vectorizes for each dtype). */
+static inline __attribute__((always_inline)) void silu_mul_span(const void *gate_up, void *y,
+                                                                 int64_t t, int64_t i0,
+                                                                 int64_t i1, int64_t I,
                                                                  const int f32) {
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t i = 0; i < I; i++) {
-            const float g = act_load(gate_up, t * 2 * I + i, f32);
-            const float silu = g / (1.0f + exp_f32(-g));
-            const float up = act_load(gate_up, t * 2 * I + I + i, f32);
-            /* torch's silu returns the activations' dtype: round before the product. */
-            act_save(y, t * I + i, act_round(silu, f32) * up, f32);
-        }
+    for (int64_t i = i0; i < i1; i++) {
+        const float g = act_load(gate_up, t * 2 * I + i, f32);
+        const float silu = g / (1.0f + exp_f32(-g));
+        const float up = act_load(gate_up, t * 2 * I + I + i, f32);
+        /* torch's silu returns the activations' dtype: round before the product. */
+        act_save(y, t * I + i, act_round(silu, f32) * up, f32);
+    }
 }
 
 /* y [T, I] = silu(gate) * up, gate_up [T, 2I] (gate then up in each row); bf16, or fp32 when
  * f32. As torch's F.silu(gate) * up: silu in fp32 (g / (1 + e^-g); exp_f32 may differ from
- * torch's vectorised exp in the last bits), rounded to the dtype, the product rounded again. */
-void silu_mul_rows(const void *gate_up, void *y, int64_t T, int64_t I, int f32) {
-    if (f32) silu_mul_body(gate_up, y, T, I, 1);
-    else silu_mul_body(gate_up, y, T, I, 0);
+ * torch's vectorised exp in the last bits), rounded to the dtype, the product rounded again.
+ * Each value on its own: the same results on any number of threads. */
+void silu_mul_rows(const void *gate_up, void *y, int64_t T, int64_t I, int f32,
+                   int num_threads) {
+    const int64_t per_row = (I + SILU_CHUNK - 1) / SILU_CHUNK;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (T * I >= SILU_PARALLEL_MIN)
+    for (int64_t c = 0; c < T * per_row; c++) {
+        const int64_t t = c / per_row, i0 = c % per_row * SILU_CHUNK;
+        const int64_t i1 = I - i0 < SILU_CHUNK ? I : i0 + SILU_CHUNK;
+        if (f32) silu_mul_span(gate_up, y, t, i0, i1, I, 1);
+        else silu_mul_span(gate_up, y, t, i0, i1, I, 0);
+    }
 }
 
 /* x += y over n values, each sum rounded to the dtype once (as torch's add). */
@@ -162,7 +176,7 @@ int decoder_layers(const decoder_desc *m, const step_desc *s, void *x, int num_t
         add_in_place(x, p, T * H, f32);
         rms_norm_rows(x, layer->post_norm, h, T, H, m->eps, f32);
         if (project(m, s, &layer->gate_up, h, g, num_threads)) { status = -1; break; }
-        silu_mul_rows(g, act, T, I, f32);
+        silu_mul_rows(g, act, T, I, f32, num_threads);
         if (project(m, s, &layer->down, act, p, num_threads)) { status = -1; break; }
         add_in_place(x, p, T * H, f32);
     }

@@ -99,7 +99,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     gate_up = gate_up.contiguous()
     out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
     lib.silu_mul_rows(gate_up.data_ptr(), out.data_ptr(), out.shape[0], out.shape[1],
-                      gate_up.dtype == torch.float32)
+                      gate_up.dtype == torch.float32, torch.get_num_threads())
     return out
 
 

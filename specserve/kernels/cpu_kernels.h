@@ -20,7 +20,8 @@ void rms_norm_rows(const void *x, const void *w, void *y, int64_t T, int64_t H, 
 int rotary_rows(void *x, int64_t T, int64_t row_stride, int64_t num_heads, int64_t head_dim,
                 const float *cos_table, const float *sin_table, int64_t max_positions,
                 const int64_t *positions, int f32);
-void silu_mul_rows(const void *gate_up, void *y, int64_t T, int64_t I, int f32);
+void silu_mul_rows(const void *gate_up, void *y, int64_t T, int64_t I, int f32,
+                   int num_threads);
 int paged_attention(const void *q, const void *k_cache, const void *v_cache, int is_f32,
                     const int32_t *block_tables, int64_t max_blocks,
                     const int32_t *query_start_loc, const int32_t *context_lens,

@@ -128,6 +128,21 @@ def test_silu_mul_matches_torch(cpu_isa, dtype):
         torch.testing.assert_close(got, want, rtol=4e-7, atol=1e-30)
 
 
+def test_silu_mul_is_the_same_on_any_thread_count(cpu_isa):
+    gate_up = torch.randn(5, 2 * 4099, generator=torch.Generator().manual_seed(1)).to(
+        torch.bfloat16)  # rows of 4099: chunks split inside rows, a ragged last one
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = cpu_decoder.silu_mul(gate_up)
+        torch.set_num_threads(2)
+        assert torch.equal(cpu_decoder.silu_mul(gate_up), alone)
+    finally:
+        torch.set_num_threads(threads)
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(alone, F.silu(gate) * up, rtol=2 ** -7, atol=0)
+
+
 def test_silu_mul_exponential_range_and_special_values(cpu_isa):
     """The kernel's own exponential: within 2 ulp of the true silu over [-88.5, 100] in fp32,
     where e^-g is finite (torch's own is within 1.5), and torch's results at NaN, infinities,
