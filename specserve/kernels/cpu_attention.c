@@ -142,7 +142,6 @@ int paged_attention(const void *q, const void *k_cache, const void *v_cache, int
     const size_t elem = is_f32 ? sizeof(float) : sizeof(uint16_t);
     const char *qb = q, *kb = k_cache, *vb = v_cache;
     char *ob = out;
-    const int64_t T = query_start_loc[num_requests];
     int64_t max_len = 1; /* positions any query can see: the scratch buffers' size */
     int64_t work = 0;    /* q.k products, at most */
     for (int64_t b = 0; b < num_requests; b++) {
