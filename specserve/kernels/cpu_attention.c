@@ -6,8 +6,9 @@
  * through the block table. Scores, softmax and the weighted sum are in fp32 (q.k products of
  * bf16 values are exact in fp32, computed as IEEE fp32 multiply-adds like the reference; only
  * the summation order differs), probabilities are normalised before the weighted sum, and
- * the output is rounded to bf16 as the reference's `.to(q.dtype)` does. Masked positions are
- * never read.
+ * the output is rounded to bf16 as the reference's `.to(q.dtype)` does. Masked positions never
+ * enter a score or a sum (bf16 ones of this step's tree may be widened beside the visible ones,
+ * and are left unused; cached positions past a row's context are never touched).
  *
  * A query row's result depends only on its own visible positions, read in position order, so
  * it is the same whatever other rows share the call (row-count invariance): a chain's last row

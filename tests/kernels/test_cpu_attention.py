@@ -40,7 +40,7 @@ def test_matches_reference_and_brute_force(head_dim, num_q_heads, num_kv_heads, 
     out = paged_attention(*batch.args(), impl="cpu")
     ref = paged_attention(*batch.args(), impl="reference")
     assert out.dtype == dtype and out.shape == batch.q.shape
-    assert not out.isnan().any()  # unwritten (NaN) slots and masked positions are never read
+    assert not out.isnan().any()  # unwritten (NaN) slots and masked positions never count
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
     torch.testing.assert_close(out.double(), brute_force_attention(batch), atol=tol, rtol=tol)
