@@ -23,6 +23,7 @@ import mmap
 import os
 import sys
 import weakref
+from functools import cache
 
 import torch
 from torch import nn
@@ -39,7 +40,22 @@ def enabled() -> bool:
     value = os.environ.get("SPECSERVE_HUGE_PAGES", "1").strip()
     if value not in ("0", "1"):
         raise ValueError(f"SPECSERVE_HUGE_PAGES={value!r}: expected 0 or 1")
-    return value == "1" and sys.platform == "linux" and hasattr(mmap, "MADV_HUGEPAGE")
+    return value == "1" and _can_advise()
+
+
+@cache
+def _can_advise() -> bool:
+    """Linux with transparent huge pages built in (madvise refuses MADV_HUGEPAGE otherwise)."""
+    if sys.platform != "linux" or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return False
+    probe = mmap.mmap(-1, HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        probe.madvise(mmap.MADV_HUGEPAGE)
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
 
 
 def in_huge_pages(t: torch.Tensor) -> bool:

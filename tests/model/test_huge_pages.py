@@ -95,6 +95,26 @@ def test_the_mapping_goes_with_the_model(tiny_target):
     assert len(huge_pages._arenas) == before
 
 
+def test_a_kernel_without_huge_pages_leaves_the_weights_where_they_are(monkeypatch, tiny_target):
+    """madvise refuses MADV_HUGEPAGE where transparent huge pages are not built in."""
+    import mmap
+
+    class Refusing(mmap.mmap):
+        def madvise(self, *args):
+            raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(huge_pages.mmap, "mmap", Refusing)
+    huge_pages._can_advise.cache_clear()
+    try:
+        assert not huge_pages.enabled()
+        model = load_model(tiny_target, dtype="float32")
+        assert not any(huge_pages.in_huge_pages(t) for t in _tensors(model))
+    finally:
+        monkeypatch.undo()
+        huge_pages._can_advise.cache_clear()
+    assert huge_pages.enabled()
+
+
 def test_the_switch(monkeypatch):
     monkeypatch.setenv("SPECSERVE_HUGE_PAGES", "0")
     assert not huge_pages.enabled()
