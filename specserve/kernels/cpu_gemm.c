@@ -50,19 +50,6 @@
 #define KC_BYTES (24 * 1024) /* one packed K-block of GEMM_NR rows: L1 beside the x stream */
 #define PARALLEL_MIN_MACS (1 << 18)
 
-/* An activation step: on AVX2 the raw bf16 load is pinned in a register before the even/odd
- * split, or GCC loads it twice (the mask's operand folded into a second memory load), and
- * loads, not multiply-adds, bound the 1 x 6 tile. */
-#if defined(SPECSERVE_ISA_AVX2)
-SIMD_INLINE dot_vec load_x(const uint16_t *p) {
-    __m256i raw = _mm256_loadu_si256((const __m256i *)p);
-    __asm__("" : "+x"(raw));
-    return dot_split(raw);
-}
-#else
-SIMD_INLINE dot_vec load_x(const uint16_t *p) { return dot_load(p); }
-#endif
-
 /* Steps [s0, s1) of MR activation rows (x, row stride K) against weight rows [c, c + TILE_NR)
  * of a packed K-block (wp [s1 - s0][GEMM_NR]); acc[i][c + r] the accumulators of row i and
  * weight row c + r, in and out. s0 is a multiple of DOT_U. */
@@ -83,7 +70,7 @@ static inline __attribute__((always_inline)) void tile(
         for (int u = 0; u < DOT_U; u++) {
             dot_vec xv[TILE_MR];
 #pragma GCC unroll 4
-            for (int i = 0; i < MR; i++) xv[i] = load_x(x + i * K + (s + u) * DOT_K);
+            for (int i = 0; i < MR; i++) xv[i] = dot_load(x + i * K + (s + u) * DOT_K);
             const dot_vec *ws = wp + (s + u - s0) * GEMM_NR + c;
 #pragma GCC unroll 8
             for (int r = 0; r < TILE_NR; r++) {

@@ -21,8 +21,8 @@
  *
  * Two shapes, both one weight row at a time (reading several rows' streams at once ran slower
  * than one: about half the bandwidth, measured on AVX-512):
- * - whole rows (each thread reads its block of w as one sequential stream), while a chunk's activations fit in L1 (X_L1_BYTES): every weight row against
- *   every chunk, its values loaded once per chunk;
+ * - whole rows, while a chunk's activations fit in L1 (X_L1_BYTES): each thread reads its block
+ *   of w as one sequential stream, every weight row against every chunk;
  * - K-blocked, from 3 rows on when they do not (an MLP down projection, K = 4096): panels of
  *   PANEL_ROWS weight rows, walked one block of steps at a time (the chunk's activations for the
  *   block stay in L1 while the panel's rows pass), with the accumulators carried between blocks

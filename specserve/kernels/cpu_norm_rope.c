@@ -23,17 +23,18 @@
  * the rest of the norm many times over. */
 #define SUM_LANES 16
 
-static inline __attribute__((always_inline)) float sum_of_squares(const void *x, int64_t H,
-                                                                  const int f32) {
+/* Sum of x[row + h]^2 over h in [0, H). */
+static inline __attribute__((always_inline)) float sum_of_squares(const void *x, int64_t row,
+                                                                  int64_t H, const int f32) {
     float lane[SUM_LANES] = {0};
     int64_t h = 0;
     for (; h + SUM_LANES <= H; h += SUM_LANES)
         for (int j = 0; j < SUM_LANES; j++) {
-            const float v = act_load(x, h + j, f32);
+            const float v = act_load(x, row + h + j, f32);
             lane[j] += v * v;
         }
     for (int j = 0; h + j < H; j++) {
-        const float v = act_load(x, h + j, f32);
+        const float v = act_load(x, row + h + j, f32);
         lane[j] += v * v;
     }
     for (int width = SUM_LANES / 2; width > 0; width /= 2)
@@ -44,7 +45,7 @@ static inline __attribute__((always_inline)) float sum_of_squares(const void *x,
 static inline __attribute__((always_inline)) void rms_norm_body(
     const void *x, const void *w, void *y, int64_t T, int64_t H, float eps, const int f32) {
     for (int64_t t = 0; t < T; t++) {
-        const float sum = sum_of_squares((const char *)x + t * H * (f32 ? 4 : 2), H, f32);
+        const float sum = sum_of_squares(x, t * H, H, f32);
         const float inv = 1.0f / sqrtf(sum / (float)H + eps);
         for (int64_t h = 0; h < H; h++) {
             const float normed = act_round(act_load(x, t * H + h, f32) * inv, f32);
