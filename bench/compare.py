@@ -59,13 +59,13 @@ from pathlib import Path
 
 import torch
 import transformers
-from specserve.draft_models.evaluate import chat_prompt_ids
-from specserve.draft_models.widen import ensure_widened_demo
 from transformers import AutoModelForCausalLM
 from transformers.generation.streamers import BaseStreamer
 
 from bench.roofline import measure_read_bandwidth, roofline_fraction, weight_bytes
 from specserve import LLM, SamplingParams
+from specserve.draft_models.evaluate import chat_prompt_ids
+from specserve.draft_models.widen import ensure_widened_demo
 from specserve.llm import demo_pair
 from specserve.model.loader import load_tokenizer
 

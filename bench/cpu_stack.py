@@ -17,8 +17,6 @@ import argparse
 import os
 import time
 
-from specserve.draft_models.chat_prompts import HELD_OUT_PROMPTS
-
 from bench.compare import (
     add_common_args,
     chat_prompts,
@@ -30,6 +28,7 @@ from bench.compare import (
 )
 from bench.cpu_paths import decode_table, measure_decode
 from specserve import LLM
+from specserve.draft_models.chat_prompts import HELD_OUT_PROMPTS
 from specserve.named_models import demo_pair
 
 MODELS = ("default", "widened", "widened-int8")

@@ -19,8 +19,6 @@ import os
 import time
 from pathlib import Path
 
-from specserve.draft_models.chat_prompts import HELD_OUT_PROMPTS
-
 from bench.compare import (
     add_common_args,
     chat_prompts,
@@ -32,6 +30,7 @@ from bench.compare import (
 )
 from bench.cpu_paths import PEER, decode_table, llamacpp_runner, measure_decode, peer_bin
 from specserve import LLM
+from specserve.draft_models.chat_prompts import HELD_OUT_PROMPTS
 
 LLAMA = "llama.cpp"
 

@@ -16,6 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
+from tokenizers import Tokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
 from specserve.draft_models.evaluate import acceptance_length, chat_prompt_ids, greedy_generate
 from specserve.draft_models.recipe import DEMO_DIR
 from specserve.draft_models.tokenizer import (
@@ -28,8 +31,6 @@ from specserve.draft_models.tokenizer import (
     save_tokenizer_files,
     train_bpe,
 )
-from tokenizers import Tokenizer
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
 DEMO = Path(os.environ.get("SPECSERVE_DEMO_DIR", DEMO_DIR))
 TARGET, DRAFT = DEMO / "target", DEMO / "draft"

@@ -17,6 +17,15 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
 from specserve.draft_models import widen as widen_mod
 from specserve.draft_models.widen import (
     WidenSpec,
@@ -27,15 +36,6 @@ from specserve.draft_models.widen import (
     query_head_positions,
     widen_checkpoint,
 )
-from transformers import (
-    AutoModelForCausalLM,
-    LlamaConfig,
-    LlamaForCausalLM,
-    PreTrainedModel,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-)
-
 from specserve.model.loader import load_model
 from specserve.model.runner import ModelRunner, Segment
 

@@ -5,8 +5,7 @@ loaded with ctypes: no build step at install time, and the `.so` links the same 
 torch has already loaded (same soname), so the two share one thread pool. Kernels that use
 threads take `num_threads` from the caller, who passes `torch.get_num_threads()`.
 
-ISA paths (`SPECSERVE_CPU_ISA`, default: the best this CPU supports, from /proc/cpuinfo, among
-the verified ones: see UNVERIFIED_ISAS):
+ISA paths (`SPECSERVE_CPU_ISA`, default: the best this CPU supports, from /proc/cpuinfo):
   avx512    AVX-512 F/BW/VL + BF16 (VDPBF16PS products) + VNNI (the quantized kernel's integer
             dots), with AVX2, FMA and F16C
   avx2      AVX2 + FMA + F16C (bf16 widened to fp32 by shifts, fp32 FMAs; F16C converts the
@@ -104,19 +103,10 @@ ISAS = (*ISA_FLAGS, "torch")
 COMMON_FLAGS = ["-O3", "-ffp-contract=off", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC"]
 
 
-# Paths compiled and checked (-Wall -Wextra -Werror) but not yet run on a CPU that has them
-# since their last rewrite: the default skips them, SPECSERVE_CPU_ISA=<name> runs them (tests
-# and benchmarks included), so an AVX-512 BF16 machine can verify the path before it is trusted.
-UNVERIFIED_ISAS = frozenset({"avx512"})
-
-
 def supported_isas() -> list[str]:
-    """The C paths this CPU can run, best first (torch, always possible, not included); an
-    unverified path only when SPECSERVE_CPU_ISA names it."""
+    """The C paths this CPU can run, best first (torch, always possible, not included)."""
     flags = cpu_flags()
-    forced = os.environ.get("SPECSERVE_CPU_ISA", "").strip().lower()
-    return [isa for isa, needs in ISA_REQUIRES.items()
-            if needs <= flags and (isa not in UNVERIFIED_ISAS or isa == forced)]
+    return [isa for isa, needs in ISA_REQUIRES.items() if needs <= flags]
 
 
 @cache

@@ -42,9 +42,10 @@ def compile_all() -> dict[str, int]:
     """Compile every case for sm_90; return the stack bytes per thread of each."""
     import torch
     import triton
-    from specserve.kernels import attention, kv_store
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+
+    from specserve.kernels import attention, kv_store
 
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 

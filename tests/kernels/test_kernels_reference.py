@@ -11,6 +11,7 @@ from paged_cases import (
     make_batch,
     mixed_requests,
 )
+
 from specserve.kernels import copy_kv_slots, paged_attention, store_kv
 
 

@@ -30,7 +30,6 @@ from specserve.kernels.reference import (  # noqa: E402
     paged_attention_reference,
     store_kv_reference,
 )
-
 from specserve.spec.tree import STATIC_TREES  # noqa: E402
 
 DECODE = torch.ones(1, 1, dtype=torch.bool)

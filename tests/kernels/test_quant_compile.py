@@ -24,10 +24,11 @@ CASES = [f"{fmt}-{dtype}-bias{bias}" for fmt in ("Q8_0", "Q4_0", "Q4_1")
 def compile_all() -> dict[str, int]:
     """Compile every case for sm_90; return the stack bytes per thread of each."""
     import triton
-    from specserve.kernels import quant_triton
-    from specserve.kernels.quant_reference import FORMATS
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+
+    from specserve.kernels import quant_triton
+    from specserve.kernels.quant_reference import FORMATS
 
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     fn = quant_triton._quant_matmul_kernel._compiled

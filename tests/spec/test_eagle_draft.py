@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
+
+from specserve import LLM, SamplingParams
+from specserve.distributed import TPShard
 from specserve.draft_models.eagle_draft import (
     EagleDraft,
     agreement,
@@ -13,10 +17,6 @@ from specserve.draft_models.eagle_draft import (
     state_batches,
     target_states,
 )
-from transformers import AutoModelForCausalLM
-
-from specserve import LLM, SamplingParams
-from specserve.distributed import TPShard
 from specserve.model.architectures import ArchSpec, DecoderLM
 from specserve.model.loader import CheckpointError, load_hf_config, load_model
 from specserve.model.runner import ModelRunner, Segment
