@@ -6,6 +6,8 @@ torch has already loaded (same soname), so the two share one thread pool. Kernel
 threads take `num_threads` from the caller, who passes `torch.get_num_threads()`.
 
 ISA paths (`SPECSERVE_CPU_ISA`, default: the best this CPU supports, from /proc/cpuinfo):
+  amx       avx512 with the bf16 products on AMX tiles (cpu_amx.c: a few rows cost what one
+            does); needs AMX-BF16 and a kernel that grants the tile state (Linux 5.16+)
   avx512    AVX-512 F/BW/VL + BF16 (VDPBF16PS products) + VNNI (the quantized kernel's integer
             dots), with AVX2, FMA and F16C
   avx2      AVX2 + FMA + F16C (bf16 widened to fp32 by shifts, fp32 FMAs; F16C converts the
@@ -26,7 +28,8 @@ Convention for kernel sources (how a new kernel joins the build):
   primitives of `cpu_simd.h` (fp32 vectors `vf_*`, bf16 dot-product steps `dot_*`). The build
   defines exactly one of SPECSERVE_ISA_AVX512 / SPECSERVE_ISA_AVX2 / SPECSERVE_ISA_PORTABLE
   (and the matching -m flags); code that must differ per ISA (an inner loop only) goes under
-  `#if` on those macros, with a branch for each of the three.
+  `#if` on those macros, with a branch for each of the three. The amx path is the AVX-512 build
+  with SPECSERVE_AMX also defined: only the bf16 products differ (cpu_amx.c).
 - Every `cpu_*.h` header in this folder is part of the cache key; exported names are
   `snake_case` and unique across files; no FMA contraction (-ffp-contract=off), so elementwise
   kernels round like the PyTorch ops they replace (fused multiply-adds are written explicitly).
@@ -40,6 +43,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -61,6 +65,7 @@ KERNELS: dict[str, dict[str, Signature]] = {
     "cpu_gemm.c": {
         "gemm_bf16": ([_p] * 5 + [_i64] * 3 + [_i32], ctypes.c_int),
     },
+    "cpu_amx.c": {},  # gemv_bf16 and gemm_bf16 on the amx path
     "cpu_attention.c": {
         "paged_attention": (
             [_p] * 3 + [_i32, _p, _i64] + [_p] * 3 + [_i64] * 6 + [_f32, _p, _i32], ctypes.c_int),
@@ -83,16 +88,20 @@ KERNELS: dict[str, dict[str, Signature]] = {
 }
 
 # Best first. `required` are /proc/cpuinfo flag names.
+_AVX512_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mavx2",
+                 "-mfma", "-mf16c", "-DSPECSERVE_ISA_AVX512"]
 ISA_FLAGS: dict[str, list[str]] = {
-    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni",
-               "-mavx2", "-mfma", "-mf16c", "-DSPECSERVE_ISA_AVX512"],
+    "amx": [*_AVX512_FLAGS, "-mamx-tile", "-mamx-bf16", "-DSPECSERVE_AMX"],
+    "avx512": _AVX512_FLAGS,
     "avx2": ["-mavx2", "-mfma", "-mf16c", "-DSPECSERVE_ISA_AVX2"],
     "portable": ["-DSPECSERVE_ISA_PORTABLE"],
 }
+_AVX512_REQUIRES = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "avx2", "fma",
+                    "f16c"}
 ISA_REQUIRES: dict[str, set[str]] = {
+    "amx": _AVX512_REQUIRES | {"amx_tile", "amx_bf16"},
     # VNNI: the quantized kernel's integer dots; every CPU with AVX-512 BF16 has it.
-    "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "avx2", "fma",
-               "f16c"},
+    "avx512": _AVX512_REQUIRES,
     "avx2": {"avx2", "fma", "f16c"},  # F16C: every AVX2 CPU has it (the quant kernel's scales)
     "portable": set(),
 }
@@ -105,8 +114,16 @@ COMMON_FLAGS = ["-O3", "-ffp-contract=off", "-fno-trapping-math", "-fopenmp", "-
 
 def supported_isas() -> list[str]:
     """The C paths this CPU can run, best first (torch, always possible, not included)."""
-    flags = cpu_flags()
-    return [isa for isa, needs in ISA_REQUIRES.items() if needs <= flags]
+    return [isa for isa in ISA_REQUIRES if not missing(isa)]
+
+
+def missing(isa: str) -> list[str]:
+    """What this machine lacks to run `isa`'s kernels: CPU flags, or the kernel's grant of the
+    AMX tile state."""
+    lacks = sorted(ISA_REQUIRES.get(isa, set()) - cpu_flags())
+    if isa == "amx" and not lacks and not amx_permitted():
+        lacks.append("the Linux kernel's permission to use AMX tiles (arch_prctl, Linux 5.16+)")
+    return lacks
 
 
 @cache
@@ -117,10 +134,9 @@ def selected_isa() -> str:
         return supported_isas()[0]
     if wanted not in ISAS:
         raise ValueError(f"SPECSERVE_CPU_ISA={wanted!r}: expected one of {', '.join(ISAS)}")
-    missing = ISA_REQUIRES.get(wanted, set()) - cpu_flags()
-    if missing:
-        raise RuntimeError(f"SPECSERVE_CPU_ISA={wanted}: this CPU lacks "
-                           f"{', '.join(sorted(missing))}")
+    lacks = missing(wanted)
+    if lacks:
+        raise RuntimeError(f"SPECSERVE_CPU_ISA={wanted}: this CPU lacks {', '.join(lacks)}")
     return wanted
 
 
@@ -136,6 +152,8 @@ def library_for(isa: str) -> ctypes.CDLL | None:
         raise ValueError(f"unknown ISA {isa!r}: expected one of {', '.join(ISAS)}")
     if isa == "torch":
         return None
+    if isa == "amx" and not amx_permitted():  # a tile instruction would kill the process
+        raise RuntimeError("the amx kernels need Linux's permission to use AMX tiles")
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         log.warning("no C compiler (set CC): the CPU kernels fall back to PyTorch")
@@ -185,6 +203,18 @@ def build(compiler: str, isa: str) -> Path:
         subprocess.run(compile_command(compiler, isa, built), check=True, capture_output=True)
         os.replace(built, target)
     return target
+
+
+@cache
+def amx_permitted() -> bool:
+    """Ask Linux for the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA): a process
+    must before its first tile instruction, or it is killed with SIGILL. The grant is
+    process-wide and asking again is harmless."""
+    if platform.machine() != "x86_64":
+        return False
+    sys_arch_prctl, arch_req_xcomp_perm, xfeature_xtiledata = 158, 0x1023, 18
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.syscall(sys_arch_prctl, arch_req_xcomp_perm, xfeature_xtiledata) == 0
 
 
 @cache

@@ -25,6 +25,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_amx.h"
 #include "cpu_dot_order.h"
 #include "cpu_kernels.h"
 #include "cpu_simd.h"
@@ -129,6 +130,9 @@ static void pack(const uint16_t *w, int64_t K, int64_t n0, int nr, int64_t s0, i
  * thread's buffers could not be allocated. */
 int gemm_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, float *y_f32,
               uint16_t *y_bf16, int64_t M, int64_t N, int64_t K, int num_threads) {
+#if defined(SPECSERVE_AMX) /* tiles: a few rows cost what one does (cpu_amx.c) */
+    return amx_product(x, w, bias, y_f32, y_bf16, M, N, K, num_threads);
+#endif
     const Output y = {y_f32, y_bf16, bias};
     const int64_t steps = (K + DOT_K - 1) / DOT_K, main_steps = DOT_MAIN_STEPS(K);
     int64_t kc = KC_BYTES / (GEMM_NR * (int64_t)sizeof(dot_vec)) / DOT_U * DOT_U;

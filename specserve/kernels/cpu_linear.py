@@ -4,15 +4,17 @@ At batch 1 a decode step is a chain of matrix-vector products whose cost is read
 weights, and torch's bf16 `F.linear` reads them at a fraction of the memory bandwidth. On CPU
 `linear` runs the C kernels (built by `cpu_build.py` for the selected ISA) instead: `cpu_gemv.c`
 for a few rows (decode, verify), the blocked GEMM `cpu_gemm.c` from GEMM_MIN_ROWS rows (prompt
-chunks). Anything else (no kernel library, fp32 weights, many rows on avx512, CUDA tensors) takes
-`F.linear`, which is also the reference the tests compare against.
+chunks); on the amx path both entry points run the AMX tile kernel `cpu_amx.c`. Anything else
+(no kernel library, fp32 weights, many rows on amx or avx512, CUDA tensors) takes `F.linear`,
+which is also the reference the tests compare against.
 
 Row-count invariance: on the C path a row's outputs are bit-identical alone or among any number
-of rows the kernels take (on avx512 up to MAX_ROWS, then F.linear): both kernels sum every
-output in the one order of cpu_dot_order.h, so a decode row gives the same bits whether its
-forward is a lone decode step, a verify chain or shares a prompt chunk's forward past the GEMM
-threshold. `F.linear` promises no such thing: oneDNN picks its blocking and reduction order from
-the shape, so on the torch path a row's last bits may depend on how many rows share the call.
+of rows the kernels take (on amx and avx512 up to MAX_ROWS, then F.linear): both kernels sum
+every output in the one order of cpu_dot_order.h (on amx: the tile kernel's one order), so a
+decode row gives the same bits whether its forward is a lone decode step, a verify chain or
+shares a prompt chunk's forward past the GEMM threshold. `F.linear` promises no such thing:
+oneDNN picks its blocking and reduction order from the shape, so on the torch path a row's last
+bits may depend on how many rows share the call.
 """
 
 from __future__ import annotations
@@ -22,13 +24,13 @@ import torch.nn.functional as F
 
 from . import cpu_build
 
-# Rows above which F.linear takes over, per ISA path. With AVX-512 BF16, oneDNN's blocked bf16
-# GEMM is faster for prompt chunks (2-core AVX-512 BF16 machine: level at 32 rows, 15% faster
-# at 48). Without it, torch's bf16 matmul is the slow part of prefill (2-core Zen 3, one layer's
-# four products: 3 GFLOP/s at 48 and 128 rows, where the kernel ran 9-12 under the same load;
-# at 512 rows the blocked GEMM runs about as fast as torch's fp32 GEMM on weights already
-# converted to fp32), so the kernels take every row count and stay row-count invariant.
-MAX_ROWS = {"avx512": 32}
+# Rows above which F.linear takes over, per ISA path. With AVX-512 BF16 (and AMX), oneDNN's
+# blocked bf16 GEMM is faster for prompt chunks (2-core AVX-512 BF16 machine: level at 32 rows,
+# 15% faster at 48). Without it, torch's bf16 matmul is the slow part of prefill (2-core Zen 3,
+# one layer's four products: 3 GFLOP/s at 48 and 128 rows, where the kernel ran 9-12 under the
+# same load; at 512 rows the blocked GEMM runs about as fast as torch's fp32 GEMM on weights
+# already converted to fp32), so the kernels take every row count and stay row-count invariant.
+MAX_ROWS = {"amx": 32, "avx512": 32}
 INVARIANT_ROWS = 32  # at least this many rows are row-count invariant on every C path
 # Rows from which the blocked GEMM beats the matrix-vector kernel (2-core Zen 3, AVX2, the
 # widened model's four products, one thread: 0.85x at 8 rows, 1.1x at 16, 1.2x at 32, 1.25x at

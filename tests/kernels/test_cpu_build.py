@@ -46,6 +46,27 @@ def test_default_is_the_best_isa_the_cpu_supports(isa_env):
     assert cpu_build.selected_isa() == "portable"
 
 
+def test_amx_needs_its_flags_and_the_kernels_permission(isa_env, monkeypatch):
+    amx_flags = AVX512_FLAGS | {"amx_tile", "amx_bf16"}
+    monkeypatch.setattr(cpu_build, "amx_permitted", lambda: True)
+    isa_env(None, amx_flags)
+    assert cpu_build.supported_isas() == ["amx", "avx512", "avx2", "portable"]
+    assert cpu_build.selected_isa() == "amx"
+    isa_env("amx", AVX512_FLAGS | {"amx_tile"})
+    with pytest.raises(RuntimeError, match="amx_bf16"):
+        cpu_build.selected_isa()
+    # A kernel that does not grant the tile state (before Linux 5.16): avx512, and forcing amx
+    # (or building its library) is refused rather than killed by SIGILL at the first tile.
+    monkeypatch.setattr(cpu_build, "amx_permitted", lambda: False)
+    isa_env(None, amx_flags)
+    assert cpu_build.selected_isa() == "avx512"
+    isa_env("amx", amx_flags)
+    with pytest.raises(RuntimeError, match="permission to use AMX"):
+        cpu_build.selected_isa()
+    with pytest.raises(RuntimeError, match="permission to use AMX"):
+        cpu_build.library_for("amx")
+
+
 def test_a_forced_isa_is_used_or_refused(isa_env):
     isa_env("AVX2", AVX512_FLAGS)
     assert cpu_build.selected_isa() == "avx2"
