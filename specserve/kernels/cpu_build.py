@@ -145,7 +145,6 @@ def library() -> ctypes.CDLL | None:
     return library_for(selected_isa())
 
 
-@cache
 def library_for(isa: str) -> ctypes.CDLL | None:
     """The kernel library built for `isa` (one of ISAS), or None for torch or a failed build."""
     if isa not in ISAS:
@@ -154,6 +153,11 @@ def library_for(isa: str) -> ctypes.CDLL | None:
         return None
     if isa == "amx" and not amx_permitted():  # a tile instruction would kill the process
         raise RuntimeError("the amx kernels need Linux's permission to use AMX tiles")
+    return _loaded(isa)
+
+
+@cache
+def _loaded(isa: str) -> ctypes.CDLL | None:
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         log.warning("no C compiler (set CC): the CPU kernels fall back to PyTorch")
