@@ -302,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.cpu_paths", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--isas", default=",".join([*cpu_build.supported_isas(), "torch"]),
-                        help="comma list of avx512, avx2, portable, torch")
+                        help="comma list of amx, avx512, avx2, portable, torch")
     parser.add_argument("--repeats", type=int, default=5, help="verify and TTFT repeats")
     parser.add_argument("--prompt-tokens", type=int, default=512, help="TTFT prompt length")
     parser.add_argument("--gguf-dir", type=Path,
@@ -318,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     pair = load_pair("widened")
     tokenizer = load_tokenizer(pair.target)
     prompts = chat_prompts(tokenizer, held_out_questions(args.prompts))
-    flags = sorted(f for f in cpu_build.cpu_flags() if f.startswith(("avx", "fma", "f16c")))
+    flags = sorted(f for f in cpu_build.cpu_flags() if f.startswith(("avx", "amx", "fma", "f16c")))
     print(f"CPU flags: {' '.join(flags)}; {environment(args.threads)}")
 
     llms, runners, groups = {}, {}, {}

@@ -121,9 +121,10 @@ static Packed pack_activations(const uint16_t *x, int64_t M, int64_t K) {
             uint32_t *tile = (uint32_t *)(buffer + tile_offset(p, b, s)); /* [16 pairs][cols] */
             const int64_t k0 = s * STEP_K, n = K - k0 < STEP_K ? K - k0 : STEP_K;
             for (int64_t i = 0; i < cols; i++) {
-                uint16_t pairs[STEP_K] = {0};
-                memcpy(pairs, x + (b * BLOCK_M + i) * K + k0, (size_t)n * sizeof(uint16_t));
-                for (int q = 0; q < STEP_PAIRS; q++) memcpy(&tile[q * cols + i], &pairs[2 * q], 4);
+                const uint16_t *row = x + (b * BLOCK_M + i) * K + k0;
+                uint32_t pairs[STEP_PAIRS] = {0}; /* the row's 16 pairs, zero-padded past K */
+                memcpy(pairs, row, (size_t)n * sizeof(uint16_t));
+                for (int q = 0; q < STEP_PAIRS; q++) tile[q * cols + i] = pairs[q];
             }
         }
     }
