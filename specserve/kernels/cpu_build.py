@@ -118,11 +118,14 @@ def supported_isas() -> list[str]:
 
 
 def missing(isa: str) -> list[str]:
-    """What this machine lacks to run `isa`'s kernels: CPU flags, or the kernel's grant of the
-    AMX tile state."""
+    """What this machine lacks to run `isa`'s kernels: CPU flags, the kernel's grant of the AMX
+    tile state, or a C compiler that knows the ISA's instructions (so an older compiler on a new
+    CPU gets the best path it can build, not the torch fallback of a failed build)."""
     lacks = sorted(ISA_REQUIRES.get(isa, set()) - cpu_flags())
     if isa == "amx" and not lacks and not amx_permitted():
         lacks.append("the Linux kernel's permission to use AMX tiles (arch_prctl, Linux 5.16+)")
+    if isa in ISA_FLAGS and not lacks and not compiler_accepts(isa):
+        lacks.append(f"a C compiler that takes {' '.join(ISA_FLAGS[isa])}")
     return lacks
 
 
@@ -136,7 +139,7 @@ def selected_isa() -> str:
         raise ValueError(f"SPECSERVE_CPU_ISA={wanted!r}: expected one of {', '.join(ISAS)}")
     lacks = missing(wanted)
     if lacks:
-        raise RuntimeError(f"SPECSERVE_CPU_ISA={wanted}: this CPU lacks {', '.join(lacks)}")
+        raise RuntimeError(f"SPECSERVE_CPU_ISA={wanted}: this machine lacks {', '.join(lacks)}")
     return wanted
 
 
@@ -207,6 +210,19 @@ def build(compiler: str, isa: str) -> Path:
         subprocess.run(compile_command(compiler, isa, built), check=True, capture_output=True)
         os.replace(built, target)
     return target
+
+
+@cache
+def compiler_accepts(isa: str) -> bool:
+    """Whether the C compiler takes `isa`'s flags (AMX needs GCC 11 or Clang 12, AVX-512 BF16
+    GCC 10 or Clang 9). True without a compiler: `library()` then warns and falls back to torch
+    whatever the ISA."""
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        return True
+    probe = [compiler, *ISA_FLAGS[isa], "-x", "c", "-c", "-o", os.devnull, "-"]
+    return subprocess.run(probe, input="int probe;\n", capture_output=True, text=True
+                          ).returncode == 0
 
 
 @cache

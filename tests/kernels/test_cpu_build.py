@@ -67,6 +67,29 @@ def test_amx_needs_its_flags_and_the_kernels_permission(isa_env, monkeypatch):
         cpu_build.library_for("amx")
 
 
+def test_a_compiler_without_the_isas_flags_falls_back_to_the_next_path(isa_env, monkeypatch):
+    """An older compiler on a newer CPU (GCC 10 knows AVX-512 BF16, not AMX): the best path it
+    can build, not the torch fallback of a failed build; forcing the path says why not."""
+    monkeypatch.setattr(cpu_build, "amx_permitted", lambda: True)
+    monkeypatch.setattr(cpu_build, "compiler_accepts", lambda isa: isa != "amx")
+    isa_env(None, AVX512_FLAGS | {"amx_tile", "amx_bf16"})
+    assert cpu_build.selected_isa() == "avx512"
+    isa_env("amx", AVX512_FLAGS | {"amx_tile", "amx_bf16"})
+    with pytest.raises(RuntimeError, match="a C compiler that takes .*-mamx-tile"):
+        cpu_build.selected_isa()
+
+
+def test_the_compiler_probe_accepts_every_path_it_builds(monkeypatch):
+    if shutil.which(os.environ.get("CC", "cc")) is None:
+        pytest.skip("no C compiler")
+    assert all(cpu_build.compiler_accepts(isa) for isa in cpu_build.ISA_FLAGS)
+    monkeypatch.setitem(cpu_build.ISA_FLAGS, "bogus", ["-mno-such-instruction-set"])
+    try:
+        assert not cpu_build.compiler_accepts("bogus")
+    finally:
+        cpu_build.compiler_accepts.cache_clear()
+
+
 def test_a_forced_isa_is_used_or_refused(isa_env):
     isa_env("AVX2", AVX512_FLAGS)
     assert cpu_build.selected_isa() == "avx2"
