@@ -5,8 +5,8 @@
 
 Rows, batch 1, greedy, the widened target (bf16) with the demo draft, `--threads` threads:
 
-- ``<isa> <mode>``: specserve with ``SPECSERVE_CPU_ISA=<isa>`` (avx512, avx2, portable: the C
-  kernels built for that instruction set; torch: no C kernels), one ``LLM`` per path, for
+- ``<isa> <mode>``: specserve with ``SPECSERVE_CPU_ISA=<isa>`` (amx, avx512, avx2, portable: the
+  C kernels built for that instruction set; torch: no C kernels), one ``LLM`` per path, for
   speculation off, chain:2, chain:4 and the default (adaptive on CPU). Within a path every
   mode's token ids must equal off's before anything is timed (greedy speculation is exact, and
   the C kernels are row-count invariant).

@@ -31,7 +31,7 @@ def tiny_draft(model_dir: Path) -> Path:
 
 @pytest.fixture(params=[isa for isa in cpu_build.ISAS if isa != "torch"])
 def cpu_isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Each C-kernel path of cpu_build (avx512, avx2, portable), forced through
+    """Each C-kernel path of cpu_build (amx, avx512, avx2, portable), forced through
     SPECSERVE_CPU_ISA; skipped where this CPU cannot run it or no C compiler exists."""
     isa = request.param
     if isa not in cpu_build.supported_isas():

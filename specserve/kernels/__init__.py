@@ -13,7 +13,7 @@ The Triton modules are imported on first use, so CPU-only code never needs Trito
 
 `linear` is the model's matmul: on CPU with bf16 weights and few rows it runs the C kernel of
 `cpu_linear.py` (its reference: `F.linear`), everywhere else `F.linear` itself. The CPU path
-(avx512, avx2, portable C or torch) is chosen by `SPECSERVE_CPU_ISA`; see cpu_build.py.
+(amx, avx512, avx2, portable C or torch) is chosen by `SPECSERVE_CPU_ISA`; see cpu_build.py.
 """
 
 from __future__ import annotations

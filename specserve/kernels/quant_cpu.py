@@ -1,7 +1,8 @@
 """The quantized matmul C kernels (cpu_quant.c), on the ISA path cpu_build.py selects.
 
-`SPECSERVE_CPU_ISA` (see cpu_build.py) picks avx512, avx2, portable C or torch (no C kernel: the
-PyTorch reference); tests pass `isa=` to run every path this CPU supports.
+`SPECSERVE_CPU_ISA` (see cpu_build.py) picks amx or avx512 (the same VNNI kernel here), avx2,
+portable C or torch (no C kernel: the PyTorch reference); tests pass `isa=` to run every path
+this CPU supports.
 
 `SPECSERVE_QUANT_ACT` picks how the kernel takes the activations (tests and benchmarks pass
 `act=`):
