@@ -9,20 +9,22 @@
  * weights. One TDPBF16PS multiplies a 16 x 32 block of weights by up to 16 rows' 32 values in
  * about 16 cycles, far faster than memory delivers the block, so up to 16 rows cost about what
  * one does. 2-vCPU Xeon with AMX, the widened model's 96 products (weights in huge pages, best
- * of 15), 1 / 5 / 8 rows: avx512 23.2 / 35.4 / 46.6 ms, amx 24.2 / 25.1 / 26.2 ms.
+ * of 15), 1 / 5 / 16 rows: avx512 24.1 / 35.6 / 73.6 ms, amx 24.3 / 25.3 / 28.0 ms.
  *
  * The product is computed transposed, y^T = w x^T, so the weights are the A tile and load
  * straight from their row-major rows (16 rows of 32 values, stride K), and the activations are
  * the B tile, whose rows are pairs of k and whose columns are activation rows: packed once per
- * call ([steps][16 pairs][cols][2] bf16 per block of up to 16 rows). The last block of M % 16
- * rows has tiles only that wide (no zero columns to pack or multiply), and one row's packed
- * form is the row itself, so a decode step packs nothing. A thread owns groups of 16 weight
+ * call ([steps][16 pairs][cols][2] bf16 per block of up to 16 rows: a 16 x 16 transpose of
+ * 32-bit pairs per step). The last block of M % 16 rows has tiles only that wide (no zero
+ * columns to pack or multiply), and one row's packed form is the row itself, so a decode step
+ * packs nothing. A thread owns groups of 16 weight
  * rows; for each group it walks every K step once against up to FULL_BLOCKS blocks of 16 rows
  * and the narrow block (one C tile each), so the weights are read once for up to 64 rows.
  * (Two groups at a time, or software prefetches of the weights, ran slower.) A C tile holds
- * 16 outputs of each activation row in a column: stored, then written out one gathered vector
- * per row, a group late (16 scalar reads right after the tile store cost 10% of a decode
- * step's products).
+ * 16 outputs of each activation row in a column: stored, then transposed back into one vector
+ * per row (one load at one row) and written out a group late (reading a tile's memory right
+ * after TILESTORED waits for the store; 16 scalar reads there cost 10% of a decode step's
+ * products, a gather per row 3%).
  *
  * Row-count invariance: an output element is its C tile element, accumulated over the K steps
  * in order, each step summed inside TDPBF16PS the same way whatever the other rows of the tile
@@ -84,6 +86,35 @@ static void configure_tiles(int narrow) {
     _tile_loadconfig(&config);
 }
 
+/* r[i][j] -> r[j][i] for a 16 x 16 matrix of 32-bit values, one row per register: pairs of
+ * rows interleaved by 32 then 64 bits (4 x 4 blocks transposed inside each 128-bit lane), then
+ * the 128-bit lanes transposed across each set of four registers. */
+static inline void transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    /* u[4g + c], 128-bit lane L: rows 4g .. 4g + 3 of column 4L + c. */
+    __m512i u[16];
+    for (int g = 0; g < 16; g += 4) {
+        u[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
+        u[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
+        u[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
+        u[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
+    }
+    for (int c = 0; c < 4; c++) {
+        const __m512i v0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44);  /* lanes 0, 1 of each */
+        const __m512i v1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);  /* lanes 2, 3 */
+        const __m512i v2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44);
+        const __m512i v3 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
+        r[c] = _mm512_shuffle_i32x4(v0, v2, 0x88);       /* lane 0 of all four */
+        r[4 + c] = _mm512_shuffle_i32x4(v0, v2, 0xDD);   /* lane 1 */
+        r[8 + c] = _mm512_shuffle_i32x4(v1, v3, 0x88);   /* lane 2 */
+        r[12 + c] = _mm512_shuffle_i32x4(v1, v3, 0xDD);  /* lane 3 */
+    }
+}
+
 /* Activations as B tiles. Block b (cols rows from 16b) at b * steps * 16 * 32 values, step s
  * at s * 16 * cols * 2 in it: [pair p][row i][element e] = x[16b + i, 32s + 2p + e], zero from
  * K on. */
@@ -117,15 +148,18 @@ static Packed pack_activations(const uint16_t *x, int64_t M, int64_t K) {
     p.v = buffer;
     for (int64_t b = 0; b * BLOCK_M < M; b++) {
         const int64_t cols = b < p.full ? BLOCK_M : p.narrow;
+        const __mmask16 store_mask = (__mmask16)((1u << cols) - 1u);
         for (int64_t s = 0; s < steps; s++) {
-            uint32_t *tile = (uint32_t *)(buffer + tile_offset(p, b, s)); /* [16 pairs][cols] */
             const int64_t k0 = s * STEP_K, n = K - k0 < STEP_K ? K - k0 : STEP_K;
-            for (int64_t i = 0; i < cols; i++) {
-                const uint16_t *row = x + (b * BLOCK_M + i) * K + k0;
-                uint32_t pairs[STEP_PAIRS] = {0}; /* the row's 16 pairs, zero-padded past K */
-                memcpy(pairs, row, (size_t)n * sizeof(uint16_t));
-                for (int q = 0; q < STEP_PAIRS; q++) tile[q * cols + i] = pairs[q];
-            }
+            const __mmask32 load_mask = (__mmask32)(n == STEP_K ? ~0u : (1u << n) - 1u);
+            __m512i pairs[16]; /* [row][pair], zero past K and past the block's rows */
+            for (int i = 0; i < 16; i++)
+                pairs[i] = i < cols ? _mm512_maskz_loadu_epi16(load_mask, x + (b * BLOCK_M + i) * K + k0)
+                                    : _mm512_setzero_si512();
+            transpose16(pairs); /* [pair][row] */
+            uint16_t *tile = buffer + tile_offset(p, b, s); /* [16 pairs][cols][2] */
+            for (int q = 0; q < STEP_PAIRS; q++)
+                _mm512_mask_storeu_epi32(tile + q * cols * 2, store_mask, pairs[q]);
         }
     }
     return p;
@@ -163,33 +197,39 @@ static void group_pass(Group g, Packed x, int64_t b0, int full, int narrow,
         if (full > 2) DP(2, B_FULL, b0 + 2);
         if (narrow) DP(C_NARROW, B_NARROW, x.full);
     }
-    const int64_t row_bytes = BLOCK_M * sizeof(float);
+    const int64_t row_bytes = BLOCK_M * sizeof(float); /* rows of a C tile stored back to back */
     if (full > 0) TILE_STORE(0, c[0], row_bytes);
     if (full > 1) TILE_STORE(1, c[1], row_bytes);
     if (full > 2) TILE_STORE(2, c[2], row_bytes);
-    if (narrow) TILE_STORE(C_NARROW, c[C_NARROW], row_bytes);
+    if (narrow) TILE_STORE(C_NARROW, c[C_NARROW], 4 * x.narrow);
 }
 #undef DP
 
-/* Rows [m0, m0 + cols) of y for the group's nr weight rows from n0, from a stored C tile
- * (c[r][i]: weight row n0 + r, activation row m0 + i). */
-static void emit(Output y, const float c[GROUP_N][BLOCK_M], int64_t m0, int64_t cols,
-                 int64_t n0, int nr, int64_t N) {
-    if (nr == GROUP_N) { /* a row's 16 outputs are one vector (VF = 16): one gather */
-        const __m512i column = _mm512_mullo_epi32(
-            _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-            _mm512_set1_epi32(BLOCK_M));
-        const vf bias = y.bias ? vf_load_bf16(y.bias + n0) : vf_zero();
-        for (int64_t i = 0; i < cols; i++) {
-            vf v = _mm512_i32gather_ps(column, &c[0][i], sizeof(float));
-            if (y.bias) v = vf_add(v, bias); /* as store(): the bias in fp32, then one rounding */
-            if (y.bf16) vf_store_bf16(y.bf16 + (m0 + i) * N + n0, v);
-            else vf_store(y.f32 + (m0 + i) * N + n0, v);
-        }
+/* Rows [m0, m0 + cols) of y for the group's nr weight rows from n0, from a C tile stored as
+ * c[r * cols + i] (weight row n0 + r, activation row m0 + i). */
+static void emit(Output y, const float *c, int64_t m0, int64_t cols, int64_t n0, int nr,
+                 int64_t N) {
+    if (nr < GROUP_N) {
+        for (int r = 0; r < nr; r++)
+            for (int64_t i = 0; i < cols; i++) store(y, (m0 + i) * N + n0 + r, n0 + r, c[r * cols + i]);
         return;
     }
-    for (int r = 0; r < nr; r++)
-        for (int64_t i = 0; i < cols; i++) store(y, (m0 + i) * N + n0 + r, n0 + r, c[r][i]);
+    /* A row's 16 outputs are one vector (VF = 16): the tile's columns. */
+    __m512i rows[16];
+    if (cols == 1) {
+        rows[0] = _mm512_loadu_si512(c);
+    } else {
+        const __mmask16 mask = (__mmask16)((1u << cols) - 1u);
+        for (int r = 0; r < 16; r++) rows[r] = _mm512_maskz_loadu_epi32(mask, c + r * cols);
+        transpose16(rows);
+    }
+    const vf bias = y.bias ? vf_load_bf16(y.bias + n0) : vf_zero();
+    for (int64_t i = 0; i < cols; i++) {
+        vf v = _mm512_castsi512_ps(rows[i]);
+        if (y.bias) v = vf_add(v, bias); /* as store(): the bias in fp32, then one rounding */
+        if (y.bf16) vf_store_bf16(y.bf16 + (m0 + i) * N + n0, v);
+        else vf_store(y.f32 + (m0 + i) * N + n0, v);
+    }
 }
 
 /* A stored pass: full blocks [b0, b0 + full) and maybe the narrow block, against weight rows
@@ -201,8 +241,9 @@ typedef struct {
 
 static void emit_pass(Output y, Packed x, Pass p, float c[FULL_BLOCKS + 1][GROUP_N][BLOCK_M],
                       int64_t N) {
-    for (int j = 0; j < p.full; j++) emit(y, c[j], (p.b0 + j) * BLOCK_M, BLOCK_M, p.n0, p.nr, N);
-    if (p.narrow) emit(y, c[C_NARROW], x.full * BLOCK_M, x.narrow, p.n0, p.nr, N);
+    for (int j = 0; j < p.full; j++)
+        emit(y, c[j][0], (p.b0 + j) * BLOCK_M, BLOCK_M, p.n0, p.nr, N);
+    if (p.narrow) emit(y, c[C_NARROW][0], x.full * BLOCK_M, x.narrow, p.n0, p.nr, N);
 }
 
 /* Group g's A source; `padded` ([16][steps * 32]) holds a ragged last group, `tail` ([16][32])
