@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 
 import pytest
@@ -36,7 +34,7 @@ def cpu_isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     isa = request.param
     if isa not in cpu_build.supported_isas():
         pytest.skip(f"this CPU cannot run the {isa} kernels")
-    if shutil.which(os.environ.get("CC", "cc")) is None:
+    if cpu_build.c_compiler() is None:
         pytest.skip("no C compiler")
     monkeypatch.setenv("SPECSERVE_CPU_ISA", isa)
     cpu_build.selected_isa.cache_clear()

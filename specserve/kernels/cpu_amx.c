@@ -17,9 +17,9 @@
  * call ([steps][16 pairs][cols][2] bf16 per block of up to 16 rows: a 16 x 16 transpose of
  * 32-bit pairs per step). The last block of M % 16 rows has tiles only that wide (no zero
  * columns to pack or multiply), and one row's packed form is the row itself, so a decode step
- * packs nothing. A thread owns groups of 16 weight
- * rows; for each group it walks every K step once against up to FULL_BLOCKS blocks of 16 rows
- * and the narrow block (one C tile each), so the weights are read once for up to 64 rows.
+ * packs nothing. A thread owns groups of 16 weight rows; for each group it walks every K step
+ * once against up to FULL_BLOCKS blocks of 16 rows and the narrow block (one C tile each), so
+ * the weights are read once for up to 64 rows.
  * (Two groups at a time, or software prefetches of the weights, ran slower.) A C tile holds
  * 16 outputs of each activation row in a column: stored, then transposed back into one vector
  * per row (one load at one row) and written out a group late (reading a tile's memory right
@@ -153,9 +153,11 @@ static Packed pack_activations(const uint16_t *x, int64_t M, int64_t K) {
             const int64_t k0 = s * STEP_K, n = K - k0 < STEP_K ? K - k0 : STEP_K;
             const __mmask32 load_mask = (__mmask32)(n == STEP_K ? ~0u : (1u << n) - 1u);
             __m512i pairs[16]; /* [row][pair], zero past K and past the block's rows */
-            for (int i = 0; i < 16; i++)
-                pairs[i] = i < cols ? _mm512_maskz_loadu_epi16(load_mask, x + (b * BLOCK_M + i) * K + k0)
+            for (int i = 0; i < 16; i++) {
+                const uint16_t *row = x + (b * BLOCK_M + i) * K + k0;
+                pairs[i] = i < cols ? _mm512_maskz_loadu_epi16(load_mask, row)
                                     : _mm512_setzero_si512();
+            }
             transpose16(pairs); /* [pair][row] */
             uint16_t *tile = buffer + tile_offset(p, b, s); /* [16 pairs][cols][2] */
             for (int q = 0; q < STEP_PAIRS; q++)
@@ -211,7 +213,8 @@ static void emit(Output y, const float *c, int64_t m0, int64_t cols, int64_t n0,
                  int64_t N) {
     if (nr < GROUP_N) {
         for (int r = 0; r < nr; r++)
-            for (int64_t i = 0; i < cols; i++) store(y, (m0 + i) * N + n0 + r, n0 + r, c[r * cols + i]);
+            for (int64_t i = 0; i < cols; i++)
+                store(y, (m0 + i) * N + n0 + r, n0 + r, c[r * cols + i]);
         return;
     }
     /* A row's 16 outputs are one vector (VF = 16): the tile's columns. */
@@ -246,11 +249,10 @@ static void emit_pass(Output y, Packed x, Pass p, float c[FULL_BLOCKS + 1][GROUP
     if (p.narrow) emit(y, c[C_NARROW][0], x.full * BLOCK_M, x.narrow, p.n0, p.nr, N);
 }
 
-/* Group g's A source; `padded` ([16][steps * 32]) holds a ragged last group, `tail` ([16][32])
- * the K tail. */
-static Group group_at(const uint16_t *w, int64_t N, int64_t K, int64_t steps, int64_t n0,
+/* The A source of the group of nr weight rows from n0; `padded` ([16][steps * 32]) holds a
+ * ragged last group, `tail` ([16][32]) the K tail. */
+static Group group_at(const uint16_t *w, int64_t K, int64_t steps, int64_t n0, int nr,
                       uint16_t *padded, uint16_t *tail) {
-    const int nr = N - n0 < GROUP_N ? (int)(N - n0) : GROUP_N;
     Group g = {w + n0 * K, NULL, K, K / STEP_K};
     if (nr < GROUP_N) {
         memset(padded, 0, (size_t)GROUP_N * steps * STEP_K * sizeof(uint16_t));
@@ -279,7 +281,8 @@ int amx_product(const uint16_t *x, const uint16_t *w, const uint16_t *bias, floa
 #pragma omp parallel num_threads(num_threads) if (M * N * K >= PARALLEL_MIN_MACS)
     {
         /* The ragged group's copy and the tail tile; only off the tile grid. */
-        uint16_t *padded = N % GROUP_N ? malloc((size_t)GROUP_N * steps * STEP_K * 2) : NULL;
+        uint16_t *padded =
+            N % GROUP_N ? malloc((size_t)GROUP_N * steps * STEP_K * sizeof(uint16_t)) : NULL;
         uint16_t tail[GROUP_N * STEP_K];
         if (N % GROUP_N && padded == NULL) {
 #pragma omp atomic write
@@ -295,7 +298,7 @@ int amx_product(const uint16_t *x, const uint16_t *w, const uint16_t *bias, floa
             for (int64_t gi = 0; gi < groups; gi++) {
                 const int64_t n0 = gi * GROUP_N;
                 const int nr = N - n0 < GROUP_N ? (int)(N - n0) : GROUP_N;
-                const Group g = group_at(w, N, K, steps, n0, padded, tail);
+                const Group g = group_at(w, K, steps, n0, nr, padded, tail);
                 /* Full blocks FULL_BLOCKS at a time; the narrow block joins the last pass. */
                 for (int64_t b0 = 0; b0 < xp.full || (b0 == 0 && xp.narrow); b0 += FULL_BLOCKS) {
                     const int full = xp.full - b0 < FULL_BLOCKS ? (int)(xp.full - b0) : FULL_BLOCKS;

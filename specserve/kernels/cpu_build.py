@@ -133,8 +133,8 @@ def missing(isa: str) -> list[str]:
 def selected_isa() -> str:
     """SPECSERVE_CPU_ISA if set (checked), else the best C path this CPU supports."""
     wanted = os.environ.get("SPECSERVE_CPU_ISA", "").strip().lower()
-    if not wanted or wanted == "auto":
-        return supported_isas()[0]
+    if not wanted or wanted == "auto":  # probes only as far as the first path this CPU runs
+        return next(isa for isa in ISA_REQUIRES if not missing(isa))
     if wanted not in ISAS:
         raise ValueError(f"SPECSERVE_CPU_ISA={wanted!r}: expected one of {', '.join(ISAS)}")
     lacks = missing(wanted)
@@ -159,9 +159,14 @@ def library_for(isa: str) -> ctypes.CDLL | None:
     return _loaded(isa)
 
 
+def c_compiler() -> str | None:
+    """The C compiler the kernels are built with (`CC`, default `cc`), or None."""
+    return shutil.which(os.environ.get("CC", "cc"))
+
+
 @cache
 def _loaded(isa: str) -> ctypes.CDLL | None:
-    compiler = shutil.which(os.environ.get("CC", "cc"))
+    compiler = c_compiler()
     if compiler is None:
         log.warning("no C compiler (set CC): the CPU kernels fall back to PyTorch")
         return None
@@ -217,7 +222,7 @@ def compiler_accepts(isa: str) -> bool:
     """Whether the C compiler takes `isa`'s flags (AMX needs GCC 11 or Clang 12, AVX-512 BF16
     GCC 10 or Clang 9). True without a compiler: `library()` then warns and falls back to torch
     whatever the ISA."""
-    compiler = shutil.which(os.environ.get("CC", "cc"))
+    compiler = c_compiler()
     if compiler is None:
         return True
     probe = [compiler, *ISA_FLAGS[isa], "-x", "c", "-c", "-o", os.devnull, "-"]

@@ -3,8 +3,6 @@ so the AVX-512 code keeps compiling on machines that cannot run it."""
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 
 import pytest
@@ -80,7 +78,7 @@ def test_a_compiler_without_the_isas_flags_falls_back_to_the_next_path(isa_env, 
 
 
 def test_the_compiler_probe_accepts_every_path_it_builds(monkeypatch):
-    if shutil.which(os.environ.get("CC", "cc")) is None:
+    if cpu_build.c_compiler() is None:
         pytest.skip("no C compiler")
     assert all(cpu_build.compiler_accepts(isa) for isa in cpu_build.ISA_FLAGS)
     monkeypatch.setitem(cpu_build.ISA_FLAGS, "bogus", ["-mno-such-instruction-set"])
@@ -112,7 +110,7 @@ def test_every_listed_function_is_exported_by_its_source():
 
 @pytest.mark.parametrize("isa", list(cpu_build.ISA_FLAGS))
 def test_every_isa_path_compiles_without_warnings(isa, tmp_path):
-    compiler = shutil.which(os.environ.get("CC", "cc"))
+    compiler = cpu_build.c_compiler()
     if compiler is None:
         pytest.skip("no C compiler")
     command = cpu_build.compile_command(compiler, isa, tmp_path / "k.so")
