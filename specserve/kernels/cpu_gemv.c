@@ -57,11 +57,21 @@
 #define PANEL_ROWS 8           /* weight rows a K-block of activations meets while in L1 */
 #define X_BLOCK_BYTES (256 * 1024)
 #define PARALLEL_MIN_MACS (1 << 18)
-/* Weights fetched this many values ahead of the products, per weight row: at a few activation
- * rows the products take long enough that the hardware prefetchers fall behind. 2-core Zen 3,
- * AVX2, the widened model's 24 layers from memory, one run: 1 row 30.5 -> 27.9 ms, 5 rows
- * 43.8 -> 41.2 ms (256 to 4096 values ahead: no better, with 4 KiB or 2 MiB pages). */
+/* Weights fetched ahead of the products, once per 64-byte line: into L1 PREFETCH_VALUES ahead,
+ * and into L2 FAR_VALUES further on. At a few activation rows the products take long enough
+ * that the hardware prefetchers fall behind (the 96 products of the widened model from memory,
+ * AVX2, no software prefetch: 5 rows 57 ms against 35), and the L1 prefetches alone keep too
+ * few lines in flight; the L2 ones add more without holding L1's fill buffers. Best of 11,
+ * 2-vCPU Sapphire Rapids class, the 96 products: AVX2 1 row 25.3 -> 22.1 ms, 5 rows 35.2 ->
+ * 31.8; AVX-512 5 rows 38.9 -> 31.8, 1 row unchanged (2048 or 8192 values: no better). On a
+ * 2-core Zen 3 the L1 prefetch took 1 row 30.5 -> 27.9 ms, 5 rows 43.8 -> 41.2. */
 #define PREFETCH_VALUES 512
+#define FAR_VALUES 4096
+#define LINE_VALUES 32 /* bf16 values per 64-byte cache line */
+/* Steps per prefetching iteration of the main loop: whole rounds of DOT_U steps covering whole
+ * lines (AVX2 2 steps = 1 line, AVX-512 2 = 2 lines, portable 4 = 1 line). */
+#define BLOCK_STEPS (DOT_K * DOT_U >= LINE_VALUES ? DOT_U : LINE_VALUES / DOT_K)
+#define BLOCK_LINES (BLOCK_STEPS * DOT_K / LINE_VALUES)
 
 /* x [M, K] in dot_vec form, each row zero-padded to whole steps: converted once per call
  * (AVX2 and portable widen bf16 to fp32 here, not once per weight row). */
@@ -72,8 +82,8 @@ typedef struct {
 
 /* Steps [s0, s1) of MR activation rows (x, row stride x_steps) against one weight row w of K
  * values: acc[i] (row i's DOT_U accumulators) in and out, in cpu_dot_order.h's order (s0 a
- * multiple of DOT_U). `ahead` moves with the steps and is prefetched: the weights this thread
- * reads after these. */
+ * multiple of DOT_U). `ahead` moves with the steps and is prefetched (and FAR_VALUES past it,
+ * into L2): the weights this thread reads after these. */
 static inline __attribute__((always_inline)) void micro_kernel(
     const int MR, const dot_vec *x, int64_t x_steps, const uint16_t *w, const uint16_t *ahead,
     dot_acc (*acc)[DOT_U], int64_t s0, int64_t s1, int64_t main_steps, int64_t K) {
@@ -84,8 +94,22 @@ static inline __attribute__((always_inline)) void micro_kernel(
         for (int u = 0; u < DOT_U; u++) a[i][u] = acc[i][u];
     const int64_t round_end = s1 < main_steps ? s1 : main_steps;
     int64_t s = s0;
-    for (; s < round_end; s += DOT_U) {
-        __builtin_prefetch(ahead + (s - s0) * DOT_K);
+    for (; s + BLOCK_STEPS <= round_end; s += BLOCK_STEPS) {
+#pragma GCC unroll 4
+        for (int l = 0; l < BLOCK_LINES; l++) {
+            const uint16_t *line = ahead + (s - s0) * DOT_K + l * LINE_VALUES;
+            __builtin_prefetch(line);
+            __builtin_prefetch(line + FAR_VALUES, 0, 1); /* prefetcht2: to L2 */
+        }
+#pragma GCC unroll 8
+        for (int u = 0; u < BLOCK_STEPS; u++) {
+            const dot_vec wv = dot_load(w + (s + u) * DOT_K);
+#pragma GCC unroll 8
+            for (int i = 0; i < MR; i++)
+                a[i][u % DOT_U] = dot_step(a[i][u % DOT_U], x[i * x_steps + s + u], wv);
+        }
+    }
+    for (; s < round_end; s += DOT_U) { /* a last round short of a block: not prefetched */
 #pragma GCC unroll 8
         for (int u = 0; u < DOT_U; u++) {
             const dot_vec wv = dot_load(w + (s + u) * DOT_K);
