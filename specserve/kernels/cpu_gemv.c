@@ -61,12 +61,19 @@
  * and into L2 FAR_VALUES further on. At a few activation rows the products take long enough
  * that the hardware prefetchers fall behind (the 96 products of the widened model from memory,
  * AVX2, no software prefetch: 5 rows 57 ms against 35), and the L1 prefetches alone keep too
- * few lines in flight; the L2 ones add more without holding L1's fill buffers. Best of 11,
- * 2-vCPU Sapphire Rapids class, the 96 products: AVX2 1 row 25.3 -> 22.1 ms, 5 rows 35.2 ->
- * 31.8; AVX-512 5 rows 38.9 -> 31.8, 1 row unchanged (2048 or 8192 values: no better). On a
- * 2-core Zen 3 the L1 prefetch took 1 row 30.5 -> 27.9 ms, 5 rows 43.8 -> 41.2. */
+ * few lines in flight; the L2 ones add more without holding L1's fill buffers. 2-vCPU
+ * Sapphire Rapids class, the 96 products, best of 15 in one run against the L1 prefetch once
+ * per step: AVX2 1 row 27.7 -> 22.7 ms, 5 rows 37.6 -> 34.2; AVX-512 1 row 27.3 -> 24.8, 5 rows
+ * 41.0 -> 32.7 (2048 or 8192 values: no better). AVX-512's one-row kernel skips the L2
+ * prefetch: with it that row ran 28.7 ms. On a 2-core Zen 3 the L1 prefetch took 1 row 30.5 ->
+ * 27.9 ms, 5 rows 43.8 -> 41.2. */
 #define PREFETCH_VALUES 512
 #define FAR_VALUES 4096
+#if defined(SPECSERVE_ISA_AVX512)
+#define FAR_ONE_ROW 0
+#else
+#define FAR_ONE_ROW 1
+#endif
 #define LINE_VALUES 32 /* bf16 values per 64-byte cache line */
 /* Steps per prefetching iteration of the main loop: whole rounds of DOT_U steps covering whole
  * lines (AVX2 2 steps = 1 line, AVX-512 2 = 2 lines, portable 4 = 1 line). */
@@ -99,7 +106,7 @@ static inline __attribute__((always_inline)) void micro_kernel(
         for (int l = 0; l < BLOCK_LINES; l++) {
             const uint16_t *line = ahead + (s - s0) * DOT_K + l * LINE_VALUES;
             __builtin_prefetch(line);
-            __builtin_prefetch(line + FAR_VALUES, 0, 1); /* prefetcht2: to L2 */
+            if (MR > 1 || FAR_ONE_ROW) __builtin_prefetch(line + FAR_VALUES, 0, 1); /* L2 */
         }
 #pragma GCC unroll 8
         for (int u = 0; u < BLOCK_STEPS; u++) {
