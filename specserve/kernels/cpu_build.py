@@ -110,6 +110,12 @@ ISAS = (*ISA_FLAGS, "torch")
 # will not turn a float select (`x > hi ? hi : x`) into a vector blend, so loops with one stay
 # scalar; values and rounding are unchanged (no -ffast-math).
 COMMON_FLAGS = ["-O3", "-ffp-contract=off", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC"]
+# Speed-only settings per CPU vendor (/proc/cpuinfo `vendor_id`), where they were measured;
+# none changes a result. SPECSERVE_L2_PREFETCH: the few-row products also prefetch the weights
+# into L2 far ahead (cpu_gemv.c): faster on a Sapphire Rapids class Intel CPU, while on a 2-core
+# AMD Zen 3 a similar far prefetch made one row 15% slower, so AMD builds without it until
+# measured there.
+VENDOR_FLAGS: dict[str, list[str]] = {"GenuineIntel": ["-DSPECSERVE_L2_PREFETCH"]}
 
 
 def supported_isas() -> list[str]:
@@ -192,14 +198,18 @@ def headers() -> list[Path]:
     return sorted(HERE.glob("cpu_*.h"))
 
 
+def build_flags(isa: str) -> list[str]:
+    """The compiler flags of isa's library on this machine: common, the ISA's, its vendor's."""
+    return [*COMMON_FLAGS, *ISA_FLAGS[isa], *VENDOR_FLAGS.get(cpu_vendor(), [])]
+
+
 def compile_command(compiler: str, isa: str, output: Path) -> list[str]:
-    return [compiler, *COMMON_FLAGS, *ISA_FLAGS[isa], *map(str, sources()), "-lm", "-o",
-            str(output)]
+    return [compiler, *build_flags(isa), *map(str, sources()), "-lm", "-o", str(output)]
 
 
 def build(compiler: str, isa: str) -> Path:
     """Compile once per ISA, flags, compiler and sources; concurrent builders rename atomically."""
-    digest = hashlib.sha256(" ".join([compiler, isa, *COMMON_FLAGS, *ISA_FLAGS[isa]]).encode())
+    digest = hashlib.sha256(" ".join([compiler, isa, *build_flags(isa)]).encode())
     for source in [*sources(), *headers()]:
         digest.update(source.name.encode())
         digest.update(source.read_bytes())
@@ -244,11 +254,26 @@ def amx_permitted() -> bool:
 
 @cache
 def cpu_flags() -> frozenset[str]:
-    try:
-        cpuinfo = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
+    return frozenset(cpuinfo_field(_cpuinfo(), "flags").split())
+
+
+@cache
+def cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id (GenuineIntel, AuthenticAMD, ...), or "" where it says none."""
+    return cpuinfo_field(_cpuinfo(), "vendor_id")
+
+
+def cpuinfo_field(cpuinfo: str, name: str) -> str:
+    """The first CPU's `name` field in /proc/cpuinfo's text, stripped; "" where there is none."""
     for line in cpuinfo.splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.partition(":")[2].split())
-    return frozenset()
+        key, _, value = line.partition(":")
+        if key.strip() == name:
+            return value.strip()
+    return ""
+
+
+def _cpuinfo() -> str:
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""

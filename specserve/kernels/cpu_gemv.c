@@ -58,21 +58,24 @@
 #define X_BLOCK_BYTES (256 * 1024)
 #define PARALLEL_MIN_MACS (1 << 18)
 /* Weights fetched ahead of the products, once per 64-byte line: into L1 PREFETCH_VALUES ahead,
- * and into L2 FAR_VALUES further on. At a few activation rows the products take long enough
- * that the hardware prefetchers fall behind (the 96 products of the widened model from memory,
- * AVX2, no software prefetch: 5 rows 57 ms against 35), and the L1 prefetches alone keep too
- * few lines in flight; the L2 ones add more without holding L1's fill buffers. 2-vCPU
- * Sapphire Rapids class, the 96 products, best of 15 in one run against the L1 prefetch once
- * per step: AVX2 1 row 27.7 -> 22.7 ms, 5 rows 37.6 -> 34.2; AVX-512 1 row 27.3 -> 24.8, 5 rows
- * 41.0 -> 32.7 (2048 or 8192 values: no better). AVX-512's one-row kernel skips the L2
- * prefetch: with it that row ran 28.7 ms. On a 2-core Zen 3 the L1 prefetch took 1 row 30.5 ->
- * 27.9 ms, 5 rows 43.8 -> 41.2. */
+ * and with SPECSERVE_L2_PREFETCH (cpu_build.py sets it on Intel CPUs) into L2 FAR_VALUES
+ * further on, by chunks of FAR_ROWS_FROM activation rows or more. At a few rows the products
+ * take long enough that the hardware prefetchers fall behind (the widened model's 96 products
+ * from memory, AVX2, no software prefetch: 5 rows 57 ms against 35), and the L1 prefetches
+ * alone keep too few lines in flight; the L2 ones add more without holding L1's fill buffers.
+ * 2-vCPU Sapphire Rapids class, the 96 products, best of 15 in one run, against the L1
+ * prefetch alone once per step: AVX2 1 row 27.7 -> 22.7 ms, 5 rows 37.6 -> 34.2; AVX-512 1 row
+ * 27.3 -> 24.8, 5 rows 41.0 -> 32.7 (2048 or 8192 values ahead: no better; AVX-512's one-row
+ * kernel ran 28.7 ms with the L2 prefetch). On a 2-core Zen 3 the L1 prefetch took 1 row 30.5
+ * -> 27.9 ms, 5 rows 43.8 -> 41.2. */
 #define PREFETCH_VALUES 512
 #define FAR_VALUES 4096
-#if defined(SPECSERVE_ISA_AVX512)
-#define FAR_ONE_ROW 0
+#if !defined(SPECSERVE_L2_PREFETCH)
+#define FAR_ROWS_FROM 0 /* none */
+#elif defined(SPECSERVE_ISA_AVX512)
+#define FAR_ROWS_FROM 2
 #else
-#define FAR_ONE_ROW 1
+#define FAR_ROWS_FROM 1
 #endif
 #define LINE_VALUES 32 /* bf16 values per 64-byte cache line */
 /* Steps per prefetching iteration of the main loop: whole rounds of DOT_U steps covering whole
@@ -89,8 +92,8 @@ typedef struct {
 
 /* Steps [s0, s1) of MR activation rows (x, row stride x_steps) against one weight row w of K
  * values: acc[i] (row i's DOT_U accumulators) in and out, in cpu_dot_order.h's order (s0 a
- * multiple of DOT_U). `ahead` moves with the steps and is prefetched (and FAR_VALUES past it,
- * into L2): the weights this thread reads after these. */
+ * multiple of DOT_U). `ahead` moves with the steps and is prefetched (maybe also FAR_VALUES
+ * past it, into L2): the weights this thread reads after these. */
 static inline __attribute__((always_inline)) void micro_kernel(
     const int MR, const dot_vec *x, int64_t x_steps, const uint16_t *w, const uint16_t *ahead,
     dot_acc (*acc)[DOT_U], int64_t s0, int64_t s1, int64_t main_steps, int64_t K) {
@@ -106,7 +109,8 @@ static inline __attribute__((always_inline)) void micro_kernel(
         for (int l = 0; l < BLOCK_LINES; l++) {
             const uint16_t *line = ahead + (s - s0) * DOT_K + l * LINE_VALUES;
             __builtin_prefetch(line);
-            if (MR > 1 || FAR_ONE_ROW) __builtin_prefetch(line + FAR_VALUES, 0, 1); /* L2 */
+            if (FAR_ROWS_FROM && MR >= FAR_ROWS_FROM)
+                __builtin_prefetch(line + FAR_VALUES, 0, 1); /* prefetcht2: into L2 */
         }
 #pragma GCC unroll 8
         for (int u = 0; u < BLOCK_STEPS; u++) {

@@ -4,6 +4,7 @@ so the AVX-512 code keeps compiling on machines that cannot run it."""
 from __future__ import annotations
 
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -108,12 +109,44 @@ def test_every_listed_function_is_exported_by_its_source():
             assert f" {name}(" in text, f"{source} does not define {name}"
 
 
+@pytest.mark.parametrize("vendor", ["GenuineIntel", "AuthenticAMD"])
 @pytest.mark.parametrize("isa", list(cpu_build.ISA_FLAGS))
-def test_every_isa_path_compiles_without_warnings(isa, tmp_path):
+def test_every_isa_path_compiles_without_warnings(isa, vendor, tmp_path, monkeypatch):
     compiler = cpu_build.c_compiler()
     if compiler is None:
         pytest.skip("no C compiler")
+    monkeypatch.setattr(cpu_build, "cpu_vendor", lambda: vendor)
     command = cpu_build.compile_command(compiler, isa, tmp_path / "k.so")
     done = subprocess.run([*command, "-Wall", "-Wextra", "-Werror"], capture_output=True,
                           text=True)
     assert done.returncode == 0, done.stderr[-4000:]
+
+
+CPUINFO = """processor\t: 0
+vendor_id\t: AuthenticAMD
+flags\t\t: fpu avx2 fma f16c
+bugs\t\t: sysret_ss_attrs
+
+processor\t: 1
+vendor_id\t: AuthenticAMD
+"""
+
+
+def test_cpuinfo_fields_are_read_from_the_first_cpu():
+    assert cpu_build.cpuinfo_field(CPUINFO, "vendor_id") == "AuthenticAMD"
+    assert cpu_build.cpuinfo_field(CPUINFO, "flags").split() == ["fpu", "avx2", "fma", "f16c"]
+    assert cpu_build.cpuinfo_field(CPUINFO, "model name") == ""
+    assert cpu_build.cpuinfo_field("", "flags") == ""
+
+
+@pytest.mark.parametrize("vendor, l2_prefetch", [("GenuineIntel", True), ("AuthenticAMD", False),
+                                                 ("", False)])
+def test_the_l2_prefetch_is_built_only_where_it_was_measured_faster(vendor, l2_prefetch,
+                                                                    monkeypatch):
+    monkeypatch.setattr(cpu_build, "cpu_vendor", lambda: vendor)
+    for isa in cpu_build.ISA_FLAGS:
+        flags = cpu_build.build_flags(isa)
+        assert ("-DSPECSERVE_L2_PREFETCH" in flags) == l2_prefetch
+        assert flags[:len(cpu_build.COMMON_FLAGS)] == cpu_build.COMMON_FLAGS
+        command = cpu_build.compile_command("cc", isa, Path("k.so"))
+        assert command[1:1 + len(flags)] == flags
