@@ -20,7 +20,12 @@
  * packs nothing. A thread owns groups of 16 weight rows; for each group it walks every K step
  * once against up to FULL_BLOCKS blocks of 16 rows and the narrow block (one C tile each), so
  * the weights are read once for up to 64 rows.
- * (Two groups at a time, or software prefetches of the weights, ran slower.) A C tile holds
+ * (Two groups at a time, or software prefetches of the weights into L1 or L2, ran slower.)
+ * An A tile's 16 rows are 16 interleaved weight streams per thread, which the 2-vCPU Xeon reads
+ * slower than one (plain loads of 716 MB on two threads: one stream each 31.0 GB/s, 16 each
+ * 25.5), so one row costs more here than on the dot-step paths, which read one stream: 26.6
+ * against 22.0 ms for the widened model's products on avx2. Weights stored in tile order would
+ * be one stream; not done, as the prompt path (F.linear) reads them row-major. A C tile holds
  * 16 outputs of each activation row in a column: stored, then transposed back into one vector
  * per row (one load at one row) and written out a group late (reading a tile's memory right
  * after TILESTORED waits for the store; 16 scalar reads there cost 10% of a decode step's
