@@ -493,6 +493,18 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def row_counts(parser: argparse.ArgumentParser, text: str) -> list[int]:
+    """A `--rows` comma list of row counts per step; it must hold 1, the step the others'
+    costs are measured against (parser.error otherwise)."""
+    try:
+        rows = [int(r) for r in text.split(",")]
+    except ValueError:
+        parser.error(f"--rows {text!r}: expected a comma list of integers")
+    if 1 not in rows or min(rows) < 1:
+        parser.error("--rows must include 1 (the other costs are against it) and no count below 1")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.compare", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from bench.compare import ensure_widened_demo, environment, log
+from bench.compare import ensure_widened_demo, environment, log, row_counts
 from specserve.kernels import cpu_build
 from specserve.model import huge_pages
 from specserve.model.loader import load_model
@@ -62,9 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    rows_list = [int(r) for r in args.rows.split(",")]
-    if 1 not in rows_list:
-        parser.error("--rows must include 1 (the other costs are against it)")
+    rows_list = row_counts(parser, args.rows)
     flags = sorted(f for f in cpu_build.cpu_flags() if f.startswith(("avx", "fma", "f16c")))
     print(f"CPU flags: {' '.join(flags)}; {environment(args.threads)}; "
           f"kernels: {cpu_build.selected_isa()}")

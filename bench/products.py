@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from bench.compare import ensure_widened_demo, environment, log
+from bench.compare import ensure_widened_demo, environment, log, row_counts
 from specserve.kernels import cpu_build
 from specserve.model.loader import load_model
 
@@ -87,9 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    rows_list = [int(r) for r in args.rows.split(",")]
-    if 1 not in rows_list:
-        parser.error("--rows must include 1 (the other costs are against it)")
+    rows_list = row_counts(parser, args.rows)
     isas = args.isas.split(",") if args.isas else [cpu_build.selected_isa()]
     for isa in isas:
         if isa not in cpu_build.ISA_FLAGS:

@@ -140,22 +140,25 @@ static inline __attribute__((always_inline)) void micro_kernel(
         for (int u = 0; u < DOT_U; u++) acc[i][u] = a[i][u];
 }
 
-/* One activation chunk of mr rows (mr <= MR_MAX): micro_kernel with a constant MR. */
+/* CALL(MR) with the chunk's row count mr (1 <= mr <= MR_MAX) as a constant: each call site is
+ * inlined with its own MR. */
+#define MR_CASES_1_TO_3(CALL) \
+    case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break;
+#if MR_MAX > 3
+#define MR_CASES_4_TO_6(CALL) \
+    case 4: CALL(4); break; case 5: CALL(5); break; case 6: CALL(6); break;
+#else
+#define MR_CASES_4_TO_6(CALL)
+#endif
+#define WITH_CONSTANT_MR(mr, CALL) \
+    switch (mr) { MR_CASES_1_TO_3(CALL) MR_CASES_4_TO_6(CALL) default: break; }
+
+/* One activation chunk of mr rows: micro_kernel with a constant MR. */
 static void chunk_steps(int mr, const dot_vec *x, int64_t x_steps, const uint16_t *w,
                         const uint16_t *ahead, dot_acc (*acc)[DOT_U], int64_t s0, int64_t s1,
                         int64_t main_steps, int64_t K) {
 #define CHUNK(MR) micro_kernel(MR, x, x_steps, w, ahead, acc, s0, s1, main_steps, K)
-    switch (mr) {
-        case 1: CHUNK(1); break;
-        case 2: CHUNK(2); break;
-        case 3: CHUNK(3); break;
-#if MR_MAX > 3
-        case 4: CHUNK(4); break;
-        case 5: CHUNK(5); break;
-        case 6: CHUNK(6); break;
-#endif
-        default: break;
-    }
+    WITH_CONSTANT_MR(mr, CHUNK)
 #undef CHUNK
 }
 
@@ -198,17 +201,7 @@ static void whole_rows(Prepared x, const uint16_t *w, Output y, int64_t M, int64
         int64_t m0;
         const int mr = chunk_rows(M, chunks, c, &m0);
 #define ROWS(MR) row_range(MR, x, w, y, N, K, m0, n0, n1, main_steps)
-        switch (mr) {
-            case 1: ROWS(1); break;
-            case 2: ROWS(2); break;
-            case 3: ROWS(3); break;
-#if MR_MAX > 3
-            case 4: ROWS(4); break;
-            case 5: ROWS(5); break;
-            case 6: ROWS(6); break;
-#endif
-            default: break;
-        }
+        WITH_CONSTANT_MR(mr, ROWS)
 #undef ROWS
     }
 }
