@@ -183,10 +183,7 @@ static inline __attribute__((always_inline)) void row_range(
     for (int64_t n = n0; n < n1; n++) {
         const uint16_t *wn = w + n * K;
         dot_acc acc[MR_MAX][DOT_U];
-#pragma GCC unroll 8
-        for (int i = 0; i < MR; i++)
-#pragma GCC unroll 8
-            for (int u = 0; u < DOT_U; u++) acc[i][u] = dot_zero();
+        zero(acc, MR);
         micro_kernel(MR, x.v + m0 * x.steps, x.steps, wn, wn + PREFETCH_VALUES, acc, 0, x.steps,
                      main_steps, K);
 #pragma GCC unroll 8
