@@ -44,9 +44,8 @@ def build_tree(sources: Path, isa: str, out_dir: Path, name: str) -> ctypes.CDLL
     if compiler is None:
         raise SystemExit("no C compiler")
     output = out_dir / f"{name}-{isa}.so"
-    files = sorted(str(p) for p in sources.glob("cpu_*.c"))
-    subprocess.run([compiler, *cpu_build.build_flags(isa), *files, "-lm", "-o", str(output)],
-                   check=True)
+    files = sorted(sources.glob("cpu_*.c"))  # a revision's own list, whatever KERNELS says now
+    subprocess.run(cpu_build.compile_command(compiler, isa, output, files), check=True)
     lib = ctypes.CDLL(str(output))
     argtypes, restype = cpu_build.KERNELS["cpu_gemv.c"]["gemv_bf16"]
     lib.gemv_bf16.argtypes, lib.gemv_bf16.restype = argtypes, restype

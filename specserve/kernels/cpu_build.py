@@ -203,8 +203,11 @@ def build_flags(isa: str) -> list[str]:
     return [*COMMON_FLAGS, *ISA_FLAGS[isa], *VENDOR_FLAGS.get(cpu_vendor(), [])]
 
 
-def compile_command(compiler: str, isa: str, output: Path) -> list[str]:
-    return [compiler, *build_flags(isa), *map(str, sources()), "-lm", "-o", str(output)]
+def compile_command(compiler: str, isa: str, output: Path,
+                    files: list[Path] | None = None) -> list[str]:
+    """Build isa's library from `files` (default: this folder's kernel sources)."""
+    files = sources() if files is None else files
+    return [compiler, *build_flags(isa), *map(str, files), "-lm", "-o", str(output)]
 
 
 def build(compiler: str, isa: str) -> Path:
