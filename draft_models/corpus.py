@@ -1,0 +1,265 @@
+"""The default model's distillation corpus: the target's own replies, in shards kept in git.
+
+    nice -n 19 python -m draft_models.corpus generate --shards 40 --commit >> corpus.log 2>&1 &
+    python -m draft_models.corpus stats
+
+Shard k holds `FIRST_TURNS` first-turn chats (messages k * FIRST_TURNS ... of
+`corpus_prompts.message_pool()`) and `FOLLOW_UPS` two-turn chats that continue the first of them
+with the target's own reply in context and a follow-up question. Half the replies are greedy, the
+rest sampled at temperature 0.7 / 0.85 / 1.0 (top_p 1, a fixed seed per record), so the draft
+learns the target's distribution and not one path through it.
+
+The replies are written by the specserve engine serving the default model as it is served (its
+Q4_1 / Q8_0 blocks on the quantized kernels, speculation off, continuous batching): the labels
+come from the function that the draft will be verified against. Measured on a 2-core first-
+generation Zen (family 23 model 1): 70 tok/s in all at 32 concurrent chats, against 53 for the
+dequantized float32 weights in the same engine and 50 for batched transformers generation (the
+same 64 replies, token for token, in all three).
+
+A shard is `shard-NNNNN.npz` (numpy, compressed; token ids uint16): each record's prompt ids
+(the chat template applied), reply ids (ending with EOS when the reply finished), temperature,
+seed, pool index and turn, and a `meta` JSON string (target file, settings, generation wall time
+and tokens/s, CPU, niceness). It is written atomically and, with `--commit`, committed alone at
+once, so an interrupted job loses at most the shard in progress and resumes from the repository
+on any machine: the next shard is the first one missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .corpus_prompts import follow_up, message_pool
+
+CORPUS_DIR = Path(__file__).resolve().parent / "smollm2" / "corpus"
+FIRST_TURNS = 192  # first-turn chats per shard
+FOLLOW_UPS = 64  # of those, continued with a second user turn
+TEMPERATURES = (0.0, 0.7, 0.0, 0.85, 0.0, 1.0)  # cycled over a shard's records: half greedy
+MAX_NEW_TOKENS = 384
+CONCURRENT_CHATS = 32
+
+
+@dataclass
+class Record:
+    prompt_ids: list[int]
+    reply_ids: list[int]
+    temperature: float
+    seed: int
+    message: int  # index into message_pool()
+    turn: int  # 1: a first-turn chat; 2: its continuation
+    finished: bool  # the reply ended (EOS) before max_new_tokens
+
+
+def shard_path(corpus: Path, k: int) -> Path:
+    return corpus / f"shard-{k:05d}.npz"
+
+
+def next_shard(corpus: Path) -> int:
+    """The first shard index with no file: shards are made in order, so this resumes."""
+    k = 0
+    while shard_path(corpus, k).is_file():
+        k += 1
+    return k
+
+
+def shard_messages(k: int) -> range:
+    """Pool indices of shard k's first-turn chats."""
+    pool = len(message_pool())
+    start = k * FIRST_TURNS
+    if start + FIRST_TURNS > pool:
+        raise ValueError(f"shard {k} would need messages up to {start + FIRST_TURNS}; the pool "
+                         f"holds {pool}")
+    return range(start, start + FIRST_TURNS)
+
+
+def sampling_for(k: int, i: int) -> tuple[float, int]:
+    """(temperature, seed) of record i of shard k: fixed, so a rerun writes the same shard."""
+    return TEMPERATURES[i % len(TEMPERATURES)], k * 100_003 + i
+
+
+def write_shard(path: Path, records: Sequence[Record], meta: dict) -> None:
+    def ids(lists):  # concatenated uint16 ids and their lengths
+        lengths = np.array([len(x) for x in lists], dtype=np.int32)
+        flat = np.fromiter((t for x in lists for t in x), dtype=np.int64, count=int(lengths.sum()))
+        if flat.size and (flat.min() < 0 or flat.max() >= 2**16):
+            raise ValueError("token ids do not fit uint16")
+        return flat.astype(np.uint16), lengths
+
+    prompt_ids, prompt_lens = ids([r.prompt_ids for r in records])
+    reply_ids, reply_lens = ids([r.reply_ids for r in records])
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        np.savez_compressed(
+            f, prompt_ids=prompt_ids, prompt_lens=prompt_lens, reply_ids=reply_ids,
+            reply_lens=reply_lens,
+            temperature=np.array([r.temperature for r in records], dtype=np.float32),
+            seed=np.array([r.seed for r in records], dtype=np.int64),
+            message=np.array([r.message for r in records], dtype=np.int32),
+            turn=np.array([r.turn for r in records], dtype=np.uint8),
+            finished=np.array([r.finished for r in records], dtype=bool),
+            meta=np.array(json.dumps(meta, sort_keys=True)))
+    os.replace(tmp, path)
+
+
+def read_shard(path: Path) -> tuple[list[Record], dict]:
+    with np.load(path) as z:
+        def split(flat, lens):
+            ends = np.cumsum(lens)
+            return [flat[e - n:e].astype(np.int64).tolist() for e, n in zip(ends, lens)]
+
+        prompts = split(z["prompt_ids"], z["prompt_lens"])
+        replies = split(z["reply_ids"], z["reply_lens"])
+        records = [Record(p, r, float(t), int(s), int(m), int(u), bool(f))
+                   for p, r, t, s, m, u, f in zip(prompts, replies, z["temperature"], z["seed"],
+                                                  z["message"], z["turn"], z["finished"])]
+        return records, json.loads(str(z["meta"]))
+
+
+def read_corpus(corpus: Path = CORPUS_DIR) -> list[Record]:
+    records: list[Record] = []
+    for k in range(next_shard(corpus)):
+        records += read_shard(shard_path(corpus, k))[0]
+    return records
+
+
+def cpu_description() -> str:
+    fields = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key in ("vendor_id", "cpu family", "model", "model name") and key not in fields:
+                fields[key] = value.strip()
+    except OSError:
+        return platform.processor()
+    return (f"{fields.get('model name', '?')} ({fields.get('vendor_id', '?')} family "
+            f"{fields.get('cpu family', '?')} model {fields.get('model', '?')})")
+
+
+def generate_shard(llm, k: int, max_new_tokens: int) -> tuple[list[Record], float]:
+    """Shard k's records and the seconds they took."""
+    from specserve import SamplingParams
+
+    pool = message_pool()
+    indices = list(shard_messages(k))
+    def params(i: int) -> SamplingParams:
+        temperature, seed = sampling_for(k, i)
+        return SamplingParams(temperature=temperature, top_p=1.0, max_tokens=max_new_tokens,
+                              seed=seed)
+
+    start = time.time()
+    first = [[{"role": "user", "content": pool[m]}] for m in indices]
+    outs = llm.chat(first, [params(i) for i in range(len(first))])
+    records = [Record(o.prompt_token_ids, list(o.token_ids), *sampling_for(k, i), m, 1,
+                      o.finish_reason == "stop") for i, (m, o) in enumerate(zip(indices, outs))]
+    second = [chat + [{"role": "assistant", "content": o.text},
+                      {"role": "user", "content": follow_up(m)}]
+              for chat, o, m in zip(first[:FOLLOW_UPS], outs, indices)]
+    offset = len(first)
+    outs2 = llm.chat(second, [params(offset + i) for i in range(len(second))])
+    records += [Record(o.prompt_token_ids, list(o.token_ids), *sampling_for(k, offset + i), m, 2,
+                       o.finish_reason == "stop") for i, (m, o) in enumerate(zip(indices, outs2))]
+    return records, time.time() - start
+
+
+def commit(path: Path, message: str, attempts: int = 30) -> None:
+    """Commit `path` alone (other staged work is left as it is); waits out another git
+    command's index lock."""
+    repo = path.parent
+    for attempt in range(attempts):
+        add = subprocess.run(["git", "add", "--", path.name], cwd=repo, capture_output=True,
+                             text=True)
+        done = add.returncode == 0 and subprocess.run(
+            ["git", "commit", "--quiet", "-m", message, "--", path.name], cwd=repo,
+            capture_output=True, text=True).returncode == 0
+        if done:
+            return
+        time.sleep(2 + attempt)
+    raise RuntimeError(f"could not commit {path}")
+
+
+def generate(args: argparse.Namespace) -> None:
+    import torch
+
+    from specserve import LLM
+    from specserve.named_models import default_target
+
+    torch.set_num_threads(args.threads)
+    corpus = Path(args.corpus)
+    corpus.mkdir(parents=True, exist_ok=True)
+    target = Path(args.target) if args.target else default_target()
+    llm = LLM(target, None, speculation="off", max_num_seqs=args.concurrent)
+    first = next_shard(corpus)
+    for k in range(first, first + args.shards):
+        records, seconds = generate_shard(llm, k, args.max_new_tokens)
+        tokens = sum(len(r.reply_ids) for r in records)
+        meta = {"target": target.name, "shard": k, "first_turns": FIRST_TURNS,
+                "follow_ups": FOLLOW_UPS, "max_new_tokens": args.max_new_tokens,
+                "concurrent_chats": args.concurrent, "threads": args.threads,
+                "reply_tokens": tokens, "seconds": round(seconds, 1),
+                "tokens_per_second": round(tokens / seconds, 2), "cpu": cpu_description(),
+                "niceness": os.nice(0), "torch": torch.__version__,
+                "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+        path = shard_path(corpus, k)
+        write_shard(path, records, meta)
+        print(f"{meta['date']} shard {k}: {len(records)} records, {tokens} reply tokens in "
+              f"{seconds:.0f} s ({tokens / seconds:.1f} tok/s)", flush=True)
+        if args.commit:
+            commit(path, f"draft_models/smollm2/corpus: shard {k} ({tokens} reply tokens, "
+                         f"{tokens / seconds:.1f} tok/s on {meta['cpu']}, nice {meta['niceness']})")
+
+
+def stats(args: argparse.Namespace) -> dict:
+    corpus = Path(args.corpus)
+    shards = next_shard(corpus)
+    records, seconds, tokens = 0, 0.0, 0
+    temps: dict[float, int] = {}
+    finished = 0
+    for k in range(shards):
+        recs, meta = read_shard(shard_path(corpus, k))
+        records += len(recs)
+        tokens += sum(len(r.reply_ids) for r in recs)
+        seconds += meta["seconds"]
+        finished += sum(r.finished for r in recs)
+        for r in recs:
+            t = round(r.temperature, 2)
+            temps[t] = temps.get(t, 0) + 1
+    size = sum(shard_path(corpus, k).stat().st_size for k in range(shards))
+    out = {"shards": shards, "records": records, "distinct_messages": shards * FIRST_TURNS,
+           "reply_tokens": tokens, "generation_hours": round(seconds / 3600, 2),
+           "tokens_per_second": round(tokens / seconds, 2) if seconds else None,
+           "finished_replies": finished, "bytes": size,
+           "records_by_temperature": {str(t): n for t, n in sorted(temps.items())}}
+    print(json.dumps(out, indent=2))
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="write the next shards")
+    g.add_argument("--shards", type=int, default=1, help="how many shards to add")
+    g.add_argument("--target", help="target .gguf or folder (default: the default model)")
+    g.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS)
+    g.add_argument("--concurrent", type=int, default=CONCURRENT_CHATS)
+    g.add_argument("--threads", type=int, default=2)
+    g.add_argument("--commit", action="store_true", help="git-commit each shard once written")
+    s = sub.add_parser("stats", help="what the corpus holds")
+    for q in (g, s):
+        q.add_argument("--corpus", default=str(CORPUS_DIR))
+    args = p.parse_args(argv)
+    (generate if args.command == "generate" else stats)(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
