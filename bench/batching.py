@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from specserve import LLM
     from specserve.llm import demo_pair
-    from specserve.spec.modes import parse_speculation
+    from specserve.speculation.modes import parse_speculation
 
     if args.threads:
         torch.set_num_threads(args.threads)

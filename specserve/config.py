@@ -30,7 +30,7 @@ class CacheConfig:
 class EngineConfig:
     target: Path
     draft: Path | None = None
-    speculation: object = None  # a spelling, see spec.modes; parsed by the engine
+    speculation: object = None  # a spelling, see speculation.modes; parsed by the engine
     dtype: str = "auto"
     device: str = "cpu"
     quantization: str | None = None  # weight-only: None, "int8", "int4" (see model/quant.py)

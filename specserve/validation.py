@@ -22,7 +22,7 @@ import msgspec
 from msgspec import Meta
 
 from .sampling import SamplingParams
-from .spec.modes import SpecMode, parse_speculation
+from .speculation.modes import SpecMode, parse_speculation
 
 # ---- caps on what a client may send ------------------------------------------------------
 MAX_STOP_STRINGS = 8

@@ -6,7 +6,7 @@ import msgspec
 import pytest
 from transformers import AutoTokenizer
 
-from specserve.spec.modes import OFF
+from specserve.speculation.modes import OFF
 from specserve.validation import (
     MAX_STOP_STRINGS,
     MAX_TREE_DEPTH,

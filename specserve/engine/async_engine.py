@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 
 from ..outputs import RequestDelta
 from ..sampling import SamplingParams
-from ..spec.modes import SpecMode, parse_speculation
+from ..speculation.modes import SpecMode, parse_speculation
 from .core import EngineCore
 from .interface import EngineLimits, EngineStats, KVPoolStats, ModelInfo
 from .request import Request

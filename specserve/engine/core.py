@@ -26,17 +26,17 @@ from ..model.loader import load_model, load_tokenizer
 from ..model.runner import ModelRunner, Segment, kv_bytes_per_block
 from ..outputs import RequestDelta
 from ..sampling import SamplingParams, process_logits
-from ..spec.adaptive import AdaptiveController
-from ..spec.modes import OFF, SpecKind, SpecMode, parse_speculation
-from ..spec.proposers import (
+from ..speculation.adaptive import AdaptiveController
+from ..speculation.modes import OFF, SpecKind, SpecMode, parse_speculation
+from ..speculation.proposers import (
     DraftModelProposer,
     NgramProposer,
     Proposal,
     Proposer,
     ProposerInput,
 )
-from ..spec.tree import TokenTree, build_tree_buffers, node_depths
-from ..spec.verify import Verdict, verify_greedy, verify_sampled
+from ..speculation.tree import TokenTree, build_tree_buffers, node_depths
+from ..speculation.verify import Verdict, verify_greedy, verify_sampled
 from ..validation import RequestLimits, check_lengths, check_prompt_ids
 from .block_manager import BlockManager
 from .interface import EngineLimits, EngineStats, KVPoolStats, ModelInfo

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..spec.modes import SpecMode
+from ..speculation.modes import SpecMode
 
 
 @dataclass(frozen=True)

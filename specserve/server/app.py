@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import AsyncIterator, Iterable
-from dataclasses import dataclass
 from pathlib import Path
 
 import orjson
@@ -46,24 +45,10 @@ from .connections import guarded_h11_protocol
 from .hosts import LOOPBACK_NAMES, HostGuard, HostMiddleware
 from .limits import Preparer, ServerLimits, batch_slots, model_facts
 from .metrics import CONTENT_TYPE, ServerMetrics
+from .state import ServerState
 from .ws import Session
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
-
-
-@dataclass
-class ServerState:
-    """What every route needs; stored on `app.state.server`."""
-
-    engine: AsyncEngine
-    model_name: str
-    model_root: str
-    limits: ServerLimits
-    guard: Guard
-    metrics: ServerMetrics
-    created: int
-    preparer: Preparer  # validation and tokenizing, off the event loop
-    admission: Admission
 
 
 def default_model_name(engine: AsyncEngine) -> str:

@@ -21,7 +21,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import msgspec
 import orjson
@@ -48,9 +48,7 @@ from .openai_logprobs import (
     chat_logprobs,
     merge_completion_logprobs,
 )
-
-if TYPE_CHECKING:
-    from .app import ServerState
+from .state import ServerState
 
 # OpenAI's finish reasons; an abort only happens when the client has gone already.
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort", "error": "error"}

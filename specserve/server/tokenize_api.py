@@ -12,7 +12,7 @@ client such as lm-evaluation-harness to tokenize through the server instead of l
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import msgspec
 import orjson
@@ -27,9 +27,7 @@ from ..validation import (
     validation_param,
 )
 from .auth import error_body
-
-if TYPE_CHECKING:
-    from .app import ServerState
+from .state import ServerState
 
 
 class _Message(msgspec.Struct):

@@ -15,7 +15,7 @@ import asyncio
 import logging
 import secrets
 from dataclasses import replace
-from typing import TYPE_CHECKING, Annotated, Literal
+from typing import Annotated, Literal
 
 import msgspec
 import orjson
@@ -35,9 +35,7 @@ from ..validation import (
 from .admission import Ticket
 from .metrics import request_metrics
 from .openai_logprobs import TokenStrings
-
-if TYPE_CHECKING:
-    from .app import ServerState
+from .state import ServerState
 
 log = logging.getLogger("specserve.server")
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.kernels.reference import store_kv_reference
-from specserve.spec.tree import build_tree_buffers, paths_to_parents
+from specserve.speculation.tree import build_tree_buffers, paths_to_parents
 
 Request = tuple[int, torch.Tensor]  # (context_len, local_mask [n, n] bool)
 

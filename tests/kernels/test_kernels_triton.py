@@ -30,7 +30,7 @@ from specserve.kernels.reference import (  # noqa: E402
     paged_attention_reference,
     store_kv_reference,
 )
-from specserve.spec.tree import STATIC_TREES  # noqa: E402
+from specserve.speculation.tree import STATIC_TREES  # noqa: E402
 
 DECODE = torch.ones(1, 1, dtype=torch.bool)
 NO_QUERIES = torch.ones(0, 0, dtype=torch.bool)  # a request with nothing scheduled this step
@@ -86,7 +86,7 @@ def test_mixed_batch(device: str, shape: tuple, num_splits: int | None):
 
 @pytest.mark.parametrize("tree", ["chain", "static", "shipped-medium", "dynamic"])
 def test_tree_verify(device: str, tree: str):
-    """Tree buffers (spec.tree) over a context crossing many pages, split-K on."""
+    """Tree buffers (speculation.tree) over a context crossing many pages, split-K on."""
     gen = torch.Generator().manual_seed(2)
     mask = {
         "chain": chain_mask(8),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from specserve import LLM, SamplingParams
-from specserve.spec.adaptive import (
+from specserve.speculation.adaptive import (
     MAX_CHAIN,
     PROBE_EVERY,
     AdaptiveController,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specserve.spec.modes import parse_speculation
-from specserve.spec.tree import STATIC_TREES, build_tree_buffers, children_lists, paths_to_parents
+from specserve.speculation.modes import parse_speculation
+from specserve.speculation.tree import STATIC_TREES, build_tree_buffers, children_lists, paths_to_parents
 
 
 def test_hand_drawn_tree():

@@ -20,9 +20,9 @@ from specserve.draft_models.eagle_draft import (
 from specserve.model.architectures import ArchSpec, DecoderLM
 from specserve.model.loader import CheckpointError, load_hf_config, load_model
 from specserve.model.runner import ModelRunner, Segment
-from specserve.spec.proposers import DraftModelProposer
-from specserve.spec.target_hidden import TargetHiddenStore
-from tests.spec.test_spec_sampling import P_MIN, chi2_p, sample
+from specserve.speculation.proposers import DraftModelProposer
+from specserve.speculation.target_hidden import TargetHiddenStore
+from tests.speculation.test_spec_sampling import P_MIN, chi2_p, sample
 from tests.tiny_models import VOCAB, save_model, save_tokenizer
 
 HEAD_IDS = torch.tensor(sorted({0, 1, 2, *range(3, VOCAB, 2)}))
