@@ -28,13 +28,14 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import json
 import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
+from bench.options import add_json, add_threads, write_json
 
 _NAMES = ("json.dumps", "textwrap.wrap", "os.path.join", "collections.Counter",
           "functools.lru_cache", "itertools.groupby", "re.sub", "pathlib.Path.glob",
@@ -210,8 +211,8 @@ def format_rows(rows: list[Row]) -> str:
     return "\n".join(lines + ["concurrent runs, where the step time goes:"] + breakdown)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None, prog: str = "python -m bench.batching") -> None:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     parser.add_argument("--target", type=Path, help="target model folder (default: demo target)")
     parser.add_argument("--draft", type=Path,
                         help="draft model folder (default: the demo draft when --speculation "
@@ -221,17 +222,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32])
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--threads", type=int, default=None, help="torch threads")
+    add_threads(parser)
     parser.add_argument("--prefix-caching", action="store_true")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead")
+    add_json(parser)
     args = parser.parse_args(argv)
 
     from specserve import LLM
     from specserve.llm import demo_pair
     from specserve.speculation.modes import parse_speculation
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)
     target, draft = args.target, args.draft
     if target is None:
         target, demo_draft = demo_pair()
@@ -248,10 +248,10 @@ def main(argv: list[str] | None = None) -> None:
                  max_tokens=args.max_tokens, threads=torch.get_num_threads(),
                  prefix_caching=args.prefix_caching, repeats=args.repeats, prompt_lengths=lengths)
     if args.json:
-        print(json.dumps({"setup": setup, "rows": [
+        write_json(args, {"setup": setup, "rows": [
             {**asdict(r), "speedup": r.speedup,
              "sequential_tok_s": r.sequential.tokens_per_s,
-             "concurrent_tok_s": r.concurrent.tokens_per_s} for r in rows]}, indent=2))
+             "concurrent_tok_s": r.concurrent.tokens_per_s} for r in rows]})
         return
     print(f"target {target} ({setup['dtype']}), draft {draft}, speculation {args.speculation}, "
           f"{args.max_tokens} output tokens per request (ignore_eos, greedy), "

@@ -49,19 +49,17 @@ import copy
 import gc
 import json
 import os
-import platform
 import statistics
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-import transformers
 from transformers import AutoModelForCausalLM
 from transformers.generation.streamers import BaseStreamer
 
+from bench.options import DTYPES, add_common_args, environment, log, setup, write_json
 from bench.roofline import measure_read_bandwidth, roofline_fraction, weight_bytes
 from specserve import LLM, SamplingParams
 from specserve.draft_models.evaluate import chat_prompt_ids
@@ -73,7 +71,6 @@ HF_GREEDY = "transformers greedy"
 HF_ASSISTED = "transformers assisted"
 SPEC_MODES = ("off", "chain:2", "chain:4", "chain:6", "tree:12", "tree")
 STAGES = ("draft", "target_forward", "verify", "schedule", "commit")  # EngineStats.<stage>_time_s
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 @dataclass(frozen=True)
@@ -457,56 +454,9 @@ def pair_json(result: PairResult) -> dict:
             "rows": [r.summary() for r in result.rows]}
 
 
-def environment(threads: int) -> dict:
-    return {"python": platform.python_version(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "threads": threads,
-            "cpus": os.cpu_count(), "load_average": os.getloadavg()}
-
-
 # ---- CLI ------------------------------------------------------------------------------------
-def usable_cores() -> int:
-    """Cores this process may run on (every core where the OS cannot say)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
-def add_common_args(parser: argparse.ArgumentParser) -> None:
-    """Options shared with bench.speculation."""
-    cores = usable_cores()
-    parser.add_argument("--prompts", type=int, default=4, help="held-out prompts (1..24)")
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--ignore-eos", action="store_true", help="always generate max-tokens")
-    parser.add_argument("--rounds", type=int, default=2, help="timed rounds after the warm-up")
-    parser.add_argument("--threads", type=int, default=cores, help="torch threads (all cores)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
-    parser.add_argument("--json", type=Path, help="also write the results here")
-
-
-def setup(args: argparse.Namespace) -> None:
-    torch.set_num_threads(args.threads)
-    transformers.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def row_counts(parser: argparse.ArgumentParser, text: str) -> list[int]:
-    """A `--rows` comma list of row counts per step; it must hold 1, the step the others'
-    costs are measured against (parser.error otherwise)."""
-    try:
-        rows = [int(r) for r in text.split(",")]
-    except ValueError:
-        parser.error(f"--rows {text!r}: expected a comma list of integers")
-    if 1 not in rows or min(rows) < 1:
-        parser.error("--rows must include 1 (the other costs are against it) and no count below 1")
-    return rows
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.compare", description=__doc__,
+def main(argv: list[str] | None = None, prog: str = "python -m bench.compare") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pairs", default="demo,widened", help="comma list of demo, widened")
     parser.add_argument("--modes", default=",".join(SPEC_MODES), help="specserve rows")
@@ -547,8 +497,7 @@ def main(argv: list[str] | None = None) -> int:
     report["wall_s"] = time.perf_counter() - started
     print(f"\nload average at the end {os.getloadavg()[0]:.2f}; wall time "
           f"{report['wall_s']:.0f} s")
-    if args.json is not None:
-        args.json.write_text(json.dumps(report, indent=2))
+    write_json(args, report)
     return status
 
 

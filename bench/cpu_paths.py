@@ -50,16 +50,13 @@ import torch.nn.functional as F
 from bench.compare import (
     Row,
     Sample,
-    add_common_args,
     chat_prompts,
     check_outputs,
-    environment,
     held_out_questions,
     load_pair,
-    log,
-    setup,
     specserve_runner,
 )
+from bench.options import add_common_args, add_isas, environment, log, setup, write_json
 from specserve import LLM, SamplingParams
 from specserve.kernels import cpu_build, cpu_linear
 from specserve.model.loader import load_tokenizer
@@ -298,11 +295,10 @@ def format_report(rows: list[Row], verify: dict, ttft: dict, bench: dict[int, fl
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.cpu_paths", description=__doc__,
+def main(argv: list[str] | None = None, prog: str = "python -m bench.cpu_paths") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--isas", default=",".join([*cpu_build.supported_isas(), "torch"]),
-                        help="comma list of amx, avx512, avx2, portable, torch")
+    add_isas(parser, ",".join([*cpu_build.supported_isas(), "torch"]))
     parser.add_argument("--repeats", type=int, default=5, help="verify and TTFT repeats")
     parser.add_argument("--prompt-tokens", type=int, default=512, help="TTFT prompt length")
     parser.add_argument("--gguf-dir", type=Path,
@@ -353,12 +349,11 @@ def main(argv: list[str] | None = None) -> int:
     print(format_report(rows, verify, ttft, bench, args.prompt_tokens))
     print()
     print(format_products(products, args.gemm_rows))
-    if args.json:
-        args.json.write_text(json.dumps({
-            "environment": environment(args.threads), "cpu_flags": flags,
-            "rows": [r.summary() for r in rows],
-            "verify_s": {k: list(v) for k, v in verify.items()}, "ttft_s": ttft,
-            "llama_bench_tok_s": bench, "prefill_gflops": products}, indent=2))
+    write_json(args, {
+        "environment": environment(args.threads), "cpu_flags": flags,
+        "rows": [r.summary() for r in rows],
+        "verify_s": {k: list(v) for k, v in verify.items()}, "ttft_s": ttft,
+        "llama_bench_tok_s": bench, "prefill_gflops": products})
     return 0
 
 

@@ -37,7 +37,6 @@ KV reads at these context lengths are under 1% of the weight bytes and are not c
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -46,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-from bench.compare import usable_cores
+from bench.options import add_json, add_threads, write_json
 from bench.roofline import measure_read_bandwidth, roofline_fraction, weight_bytes
 
 # Qwen2.5-0.5B's shape (its config.json), for a random-init stand-in.
@@ -352,20 +351,19 @@ def format_result(res: DecodeResult) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None, prog: str = "python -m bench.decode") -> None:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     parser.add_argument("--model-dir", type=Path, default=None,
                         help="model folder (default: the random Qwen2.5-0.5B-shaped one, "
                              "created in the cache on first use)")
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=usable_cores(),
-                        help="torch threads (default: every core this process may use)")
+    add_threads(parser)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--bandwidth-gib", type=float, default=1.0,
                         help="buffer for the read-bandwidth measurement (well above the LLC)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead")
+    add_json(parser)
     args = parser.parse_args(argv)
     from transformers.utils import logging
 
@@ -373,7 +371,10 @@ def main(argv: list[str] | None = None) -> None:
     folder = args.model_dir or ensure_model(default_model_dir())
     res = run_decode(folder, args.prompt_tokens, args.new_tokens, args.repeats, args.threads,
                      args.dtype, bandwidth_bytes=int(args.bandwidth_gib * 2**30))
-    print(json.dumps(res.to_json(), indent=2) if args.json else format_result(res))
+    if args.json:
+        write_json(args, res.to_json())
+    else:
+        print(format_result(res))
 
 
 if __name__ == "__main__":

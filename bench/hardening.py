@@ -263,8 +263,8 @@ def sigterm(srv: Served) -> tuple[collections.Counter, int]:
                                for r in results), code
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None, prog: str = "python -m bench.hardening") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     parser.add_argument("--target", help="target model folder (default: a tiny random model)")
     parser.add_argument("--draft")
     parser.add_argument("--max-queued", type=int, default=64,

@@ -18,6 +18,7 @@ Outputs are checked against SDPA before timing. Needs CUDA: without it, says so 
 
 from __future__ import annotations
 
+import argparse
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -159,7 +160,9 @@ def bench_tree(device: str) -> None:
             torch.cuda.empty_cache()
 
 
-def main() -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m bench.kernels") -> int:
+    # No options: the cases are fixed; parsing still answers --help.
+    argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0]).parse_args(argv)
     if not torch.cuda.is_available():
         print("bench.kernels needs a CUDA GPU (none found); nothing to measure.")
         return 0

@@ -82,8 +82,8 @@ def write_task(folder: Path, docs: list[dict]) -> None:
         "metric_list:\n  - metric: acc\n  - metric: acc_norm\n")
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None, prog: str = "python -m bench.lm_eval_stdlib") -> None:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     parser.add_argument("--base-url", default="http://127.0.0.1:8000")
     parser.add_argument("--model", help="model id (default: the server's only one)")
     parser.add_argument("--batch-size", type=int, default=8)

@@ -19,11 +19,11 @@ prompt tokens/s. Prefix caching is off so every run computes its prompts.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
 from bench.batching import demo_prompts
+from bench.options import add_json, write_json
 
 
 def _run(llm, prompts, params) -> tuple[float, list[list[int]]]:
@@ -32,10 +32,10 @@ def _run(llm, prompts, params) -> tuple[float, list[list[int]]]:
     return time.perf_counter() - start, [o.token_ids for o in outs]
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, prog: str = "python -m bench.logprobs") -> None:
     from specserve import LLM, SamplingParams
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     parser.add_argument("--target")
     parser.add_argument("--draft")
     parser.add_argument("--speculation")
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="logprobs=K variants (alternatives per position)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--json", action="store_true")
+    add_json(parser)
     args = parser.parse_args(argv)
 
     llm = LLM(args.target, args.draft, speculation=args.speculation,
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
             print(_scoring_row(scoring[-1]), flush=True)
 
     if args.json:
-        print(json.dumps({"decode": rows, "scoring": scoring}, indent=1))
+        write_json(args, {"decode": rows, "scoring": scoring})
         return
     print(f"\n{'batch':>5} {'logprobs':>8} {'tok/s':>9} {'ratio':>6} {'same ids':>8}")
     for r in rows:

@@ -29,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-from bench.compare import ensure_widened_demo, environment, log, row_counts
+from bench.options import environment, log, row_counts
+from specserve.draft_models.widen import ensure_widened_demo
 from specserve.kernels import cpu_build
 from specserve.model.loader import load_model
 
@@ -76,8 +77,8 @@ def product(lib, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, threads: int
         raise MemoryError("gemv_bf16 could not allocate its activation buffer")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.products", description=__doc__,
+def main(argv: list[str] | None = None, prog: str = "python -m bench.products") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--against", metavar="REV", help="also time this git revision's kernels")
     parser.add_argument("--isas", help="comma list of C paths (default: the selected one)")

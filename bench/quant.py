@@ -36,7 +36,6 @@ identical tokens, position by position, and how many prompts match in full.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import statistics
 import subprocess
@@ -48,16 +47,13 @@ import torch.nn.functional as F
 
 from bench.compare import (
     Row,
-    add_common_args,
     chat_prompts,
-    environment,
     held_out_questions,
     load_pair,
-    log,
-    setup,
     specserve_runner,
 )
 from bench.cpu_paths import PEER, llamacpp_runner, measure_decode, peer_bin
+from bench.options import add_common_args, environment, log, setup, write_json
 from bench.roofline import measure_read_bandwidth
 from specserve import LLM, SamplingParams
 from specserve.llm import demo_pair
@@ -296,8 +292,8 @@ def format_quality(quality: dict) -> str:
 
 
 # ---- CLI ------------------------------------------------------------------------------------
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.quant", description=__doc__,
+def main(argv: list[str] | None = None, prog: str = "python -m bench.quant") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(parser)
     parser.add_argument("--skip-speed", action="store_true")
@@ -347,8 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         log("quality: demo target")
         report["quality"] = measure_quality(args)
         print("\n" + format_quality(report["quality"]))
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2))
+    write_json(args, report)
     return 0
 
 

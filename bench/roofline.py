@@ -1,6 +1,6 @@
 """Memory-bandwidth roofline of batch-1 decoding: how close a decode step gets to the memory bus.
 
-    python -m bench.roofline [--model DIR] [--threads N] [--gib 1]
+The roofline columns of `python -m bench latency`, `decode` and `quant` come from here.
 
 At batch 1 every target forward reads every weight once and does little arithmetic per byte, so
 the fastest possible step takes ``weight_bytes / bandwidth`` seconds. The roofline fraction of a
@@ -22,7 +22,6 @@ one token per weight read, so it can beat the no-speculation roofline; that is i
 
 from __future__ import annotations
 
-import argparse
 import json
 import struct
 import time
@@ -102,25 +101,3 @@ def roofline_fraction(weight_bytes: float, seconds_per_token: float, bandwidth: 
     """Achieved weight bandwidth over measured bandwidth; 1.0 is the memory-bound floor."""
     return weight_bytes / seconds_per_token / bandwidth
 
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.roofline", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=Path, help="also print this checkpoint's weight bytes")
-    parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
-    parser.add_argument("--gib", type=float, default=1.0, help="tensor size in GiB (> LLC)")
-    args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    bandwidth = measure_read_bandwidth(int(args.gib * 2**30))
-    print(f"read bandwidth: {bandwidth / 1e9:.2f} GB/s ({torch.get_num_threads()} threads, "
-          f"torch.sum over {args.gib:g} GiB float32, best of 5)")
-    if args.model is not None:
-        wb = weight_bytes(args.model)
-        print(f"{args.model}: {wb / 2**20:.1f} MiB read per forward; memory-bound floor "
-              f"{wb / bandwidth * 1e3:.2f} ms/token ({bandwidth / wb:.1f} tokens/s)")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -222,8 +222,8 @@ async def warm_up(port: int) -> None:
         await http_request(client, port, random.Random(0), 4, False, False)
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None, prog: str = "python -m bench.soak") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     parser.add_argument("--target", help="target model folder (default: a tiny random model)")
     parser.add_argument("--draft")
     parser.add_argument("--speculation", default="chain:3")

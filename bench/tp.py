@@ -22,7 +22,8 @@ import argparse
 import dataclasses
 import time
 
-from bench.compare import chat_prompts, held_out_questions, load_pair, usable_cores
+from bench.compare import chat_prompts, held_out_questions, load_pair
+from bench.options import usable_cores
 from specserve import LLM, SamplingParams
 from specserve.distributed import CollectiveStats, collective_stats
 
@@ -106,8 +107,8 @@ def _agreement(a: list[list[int]], b: list[list[int]]) -> str:
     return "same"
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None, prog: str = "python -m bench.tp") -> int:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     p.add_argument("--pair", default="widened", help="demo | widened")
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--draft-tp", type=int, default=1)

@@ -217,8 +217,8 @@ def measure(srv: _ServerThread, args) -> None:
           f"busy {100 * cpu / wall:.1f}%)")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None, prog: str = "python -m bench.ws_latency") -> None:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     parser.add_argument("--target", help="target model folder (default: a tiny random model)")
     parser.add_argument("--draft")
     parser.add_argument("--speculation")
@@ -226,7 +226,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=200, help="samples per latency measurement")
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=400)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     with tempfile.TemporaryDirectory() as tmp:
         target = args.target
