@@ -3,6 +3,7 @@ and acceptance per speculation mode against no speculation, greedy at batch 1.
 
     python -m bench.default_model                      # 4 held-out chat prompts, 1 round
     python -m bench.default_model --prompts 8 --rounds 2 --modes off,default,chain:4
+    python -m bench.default_model --turns 2            # second turns, first reply in context
 
 The prompts are the draft recipe's held-out chat questions (`draft_models/chat_prompts.py`),
 which the draft never saw. "default" is the engine's own choice for the loaded pair. Rows,
@@ -10,6 +11,11 @@ checks (identical outputs in every mode) and columns are those of `bench.compare
 llama.cpp peer is built (`../shared/tools/llamacpp-peer build`), a `llama.cpp` row runs the same
 GGUF file through `llama-completion` (greedy, the same threads; decode timing from its own
 eval line), interleaved with specserve's rows; `--no-llamacpp` leaves it out.
+
+`--turns 2` measures second turns instead: each held-out question, the target's own greedy
+reply, then a follow-up asking to restate or reuse it (where suffix drafting finds its text).
+The suffix store is emptied before every prompt, so no mode drafts from another mode's (or an
+earlier round's) reply to the same question.
 """
 
 from __future__ import annotations
@@ -29,17 +35,47 @@ from bench.compare import (
     specserve_runner,
 )
 from bench.cpu_paths import PEER, decode_table, llamacpp_runner, measure_decode, peer_bin
-from specserve import LLM
+from specserve import LLM, SamplingParams
 from specserve.draft_models.chat_prompts import HELD_OUT_PROMPTS
 
 LLAMA = "llama.cpp"
+# Second turns that reuse the first reply, as people ask them.
+FOLLOW_UPS = (
+    "Can you repeat that, but as a numbered list?",
+    "Please rewrite your answer in a more formal tone.",
+    "Summarize what you just said in two sentences.",
+    "Say that again, but shorter.",
+)
+
+
+def second_turns(llm, questions: list[str], max_tokens: int) -> list[list[int]]:
+    """Chat prompts of second turns: question, the target's greedy reply, a follow-up."""
+    chats = [[{"role": "user", "content": q}] for q in questions]
+    replies = llm.chat(chats, SamplingParams(temperature=0.0, max_tokens=max_tokens),
+                       speculation="off")
+    tok = llm.tokenizer
+    return [tok.encode(tok.apply_chat_template(
+        chat + [{"role": "assistant", "content": r.text},
+                {"role": "user", "content": FOLLOW_UPS[i % len(FOLLOW_UPS)]}],
+        tokenize=False, add_generation_prompt=True), add_special_tokens=False)
+        for i, (chat, r) in enumerate(zip(chats, replies))]
+
+
+def with_empty_suffix_store(llm, run):
+    def fresh(prompt):
+        llm.engine.suffix.store.clear()
+        return run(prompt)
+    return fresh
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.default_model", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--modes", default="off,default,chain:2,chain:4,chain:6",
+    parser.add_argument("--modes",
+                        default="off,default,chain:2,chain:4,tree:8,suffix,suffix+adaptive",
                         help="first one is the baseline; 'default' is the engine's choice")
+    parser.add_argument("--turns", type=int, choices=(1, 2), default=1,
+                        help="2: second turns with the first reply in context")
     parser.add_argument("--no-llamacpp", action="store_true")
     parser.add_argument("--peer", type=Path, default=PEER, help="the llama.cpp peer script")
     add_common_args(parser)
@@ -53,10 +89,13 @@ def main(argv: list[str] | None = None) -> int:
     load_s = time.perf_counter() - start
     log(f"loaded in {load_s:.1f} s; default mode {llm.engine.default_mode}")
     tok = llm.tokenizer
-    prompts = chat_prompts(tok, HELD_OUT_PROMPTS[:args.prompts])
+    questions = list(HELD_OUT_PROMPTS[:args.prompts])
+    prompts = (chat_prompts(tok, questions) if args.turns == 1
+               else second_turns(llm, questions, args.max_tokens))
     names = args.modes.split(",")
-    runners = {name: specserve_runner(llm, None if name == "default" else name, args.max_tokens,
-                                      args.ignore_eos) for name in names}
+    runners = {name: with_empty_suffix_store(llm, specserve_runner(
+        llm, None if name == "default" else name, args.max_tokens, args.ignore_eos))
+        for name in names}
     bin_dir = None if args.no_llamacpp else peer_bin(args.peer)
     gguf = llm.engine.config.target
     if bin_dir is not None and gguf.suffix == ".gguf":
@@ -66,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
             "not a GGUF file")
     rows = measure_decode(runners, {"specserve": names}, prompts, args.rounds)
     print(f"{llm.engine.config.target.name} + {llm.engine.config.draft}: loaded in "
-          f"{load_s:.1f} s; {len(prompts)} held-out chat prompts, greedy, batch 1, up to "
+          f"{load_s:.1f} s; {len(prompts)} held-out chat prompts (turn {args.turns}), greedy, batch 1, "
+          f"up to "
           f"{args.max_tokens} tokens, {args.rounds} timed round(s); {args.threads} threads, "
           f"dtype {args.dtype}, load average {env['load_average'][0]:.2f}\n"
           f"outputs: all {len(names)} modes produced identical token ids\n")

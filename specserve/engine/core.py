@@ -35,6 +35,7 @@ from ..speculation.proposers import (
     Proposer,
     ProposerInput,
 )
+from ..speculation.suffix import SuffixProposer
 from ..speculation.tree import TokenTree, build_tree_buffers, node_depths
 from ..speculation.verify import Verdict, verify_greedy, verify_sampled
 from ..validation import RequestLimits, check_lengths, check_prompt_ids
@@ -77,6 +78,7 @@ class EngineCore:
         self.proposer = (DraftModelProposer(ModelRunner(self.draft, num_blocks, cache.block_size))
                          if self.draft is not None else None)
         self.ngram = NgramProposer()
+        self.suffix = SuffixProposer()  # its store holds every request's text, whatever its mode
         self.adaptive = AdaptiveController()
         sched_config = config.scheduler
         if sched_config.max_model_len != self.max_model_len:
@@ -163,14 +165,25 @@ class EngineCore:
         return req.speculation if req.speculation is not None else self.default_mode
 
     def _mode(self, req: Request) -> SpecMode:
-        """The mode a request runs this step (adaptive resolves to a chain length or off)."""
+        """The mode a request runs this step (adaptive resolves to a chain length or off;
+        suffix+MODE to suffix where the text occurred before, else to MODE)."""
         mode = self._configured_mode(req)
+        if mode.kind is SpecKind.SUFFIX:
+            match = self.suffix.lookup(req.request_id, req.all_token_ids)
+            if mode.fallback is None:
+                return mode if match.match_length else OFF
+            if match.beats_a_draft(mode.num_tokens):
+                return replace(mode, fallback=None)
+            mode = mode.fallback
         return self.adaptive.mode_for(req.request_id) if mode.is_adaptive else mode
 
     def _proposer_for(self, mode: SpecMode) -> Proposer | None:
-        """Who drafts under `mode` (a configured adaptive mode drafts with the draft model)."""
+        """Who drafts under `mode` (a configured adaptive or suffix+MODE mode drafts with the
+        draft model: it catches up on the prompt and keeps the target's states)."""
         if mode.kind is SpecKind.NGRAM:
             return self.ngram
+        if mode.kind is SpecKind.SUFFIX and mode.fallback is None:
+            return self.suffix
         return self.proposer if mode.needs_draft_model else None
 
     def _spec_slots(self, req: Request) -> int:
@@ -224,7 +237,7 @@ class EngineCore:
         catch-up too."""
         trees: dict[str, TokenTree] = {}
         draft_proposal = None
-        for proposer in (self.ngram, self.proposer):
+        for proposer in (self.ngram, self.suffix, self.proposer):
             batch = [_proposer_input(item, modes.get(item.request.request_id, OFF))
                      for item in scheduled
                      if proposer is not None and self._step_proposer(item, modes) is proposer]
@@ -363,7 +376,7 @@ class EngineCore:
         req = item.request
         draft_kv = self._keep_accepted_kv(item, tree, verdict, mode)
         req.kv.step_committed(item.num_new_tokens, len(verdict.accepted), draft_kv)
-        self._count_verdict(item, tree, verdict)
+        self._count_verdict(item, tree, verdict, mode)
         committed = self._commit_tokens(req, tree, verdict)
         return self._emit(req, committed, len(verdict.accepted), now)
 
@@ -380,12 +393,17 @@ class EngineCore:
         proposer = self._proposer_for(mode)
         return proposer.after_verify(req.block_table, root, tree, verdict) if proposer else None
 
-    def _count_verdict(self, item: ScheduledRequest, tree: TokenTree, verdict: Verdict) -> None:
+    def _count_verdict(self, item: ScheduledRequest, tree: TokenTree, verdict: Verdict,
+                       mode: SpecMode) -> None:
         req, accepted = item.request, verdict.accepted
         if len(tree) > 1:
             _count_draft(req.spec, self.stats, len(tree) - 1, len(accepted),
                          max(node_depths(tree.parents)))
-        if item.num_new_tokens == 1 and self._configured_mode(req).is_adaptive:
+        configured = self._configured_mode(req)
+        # The controller learns the draft model's acceptance: not from suffix steps.
+        adaptive = configured.is_adaptive or (configured.fallback is not None
+                                              and configured.fallback.is_adaptive)
+        if item.num_new_tokens == 1 and adaptive and mode.kind is not SpecKind.SUFFIX:
             self.adaptive.observe_verdict(req.request_id, len(tree) - 1, len(accepted))
         req.spec.num_target_steps += 1
 
@@ -420,8 +438,10 @@ class EngineCore:
         return delta
 
     def _forget(self, req: Request) -> None:
-        """A request left the engine: drop what adaptive speculation and the draft keep of it."""
+        """A request left the engine: drop what adaptive speculation and the draft keep of it;
+        its text stays in the suffix store for later requests."""
         self.adaptive.forget(req.request_id)
+        self.suffix.finish(req.request_id, req.all_token_ids)
         self._forget_target_hidden(req)
 
     def _forget_target_hidden(self, req: Request) -> None:

@@ -3,7 +3,9 @@
 Spellings (the same for `LLM(speculation=...)`, `--speculation` and the WebSocket request):
 "off"; None (off without a proposer, the engine's best mode with one); "chain:K"; "tree" or
 "tree:N" (dynamic EAGLE-2-style tree of N nodes); "static:NAME" or a list of child-index paths;
-"ngram:K"; "adaptive".
+"ngram:K"; "adaptive"; "suffix" or "suffix:K" (suffix drafting from the prompts and earlier
+outputs, a tree of up to K nodes, no draft model); "suffix+MODE" or "suffix:K+MODE" (suffix
+drafting where the text has occurred before, MODE, a draft-model mode, elsewhere).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ DEFAULT_TREE_NODES = 24
 # Dynamic tree: each level expands the best TOPK frontier nodes with TOPK children each.
 DEFAULT_TREE_TOPK = 4
 DEFAULT_TREE_DEPTH = 5
+DEFAULT_SUFFIX_NODES = 8
 
 
 class SpecKind(str, enum.Enum):
@@ -28,6 +31,7 @@ class SpecKind(str, enum.Enum):
     STATIC = "static"  # a fixed Medusa-style shape
     NGRAM = "ngram"  # prompt lookup, no draft model
     ADAPTIVE = "adaptive"  # a chain length (or off) per request and step
+    SUFFIX = "suffix"  # continuations of earlier text (speculation/suffix.py), no draft model
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,8 @@ class SpecMode:
     num_tokens: int = 0  # chain/ngram: K; tree: N nodes; static: nodes in the shape
     paths: tuple[tuple[int, ...], ...] = ()  # static: child-index paths, Medusa style
     name: str = ""
+    # suffix: the draft-model mode of the steps whose text has not occurred before (None: off)
+    fallback: SpecMode | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", SpecKind(self.kind))
@@ -46,6 +52,8 @@ class SpecMode:
 
     @property
     def needs_draft_model(self) -> bool:
+        if self.kind is SpecKind.SUFFIX:
+            return self.fallback is not None
         return self.kind in (SpecKind.CHAIN, SpecKind.TREE, SpecKind.STATIC, SpecKind.ADAPTIVE)
 
     @property
@@ -54,6 +62,8 @@ class SpecMode:
         return self.kind is SpecKind.ADAPTIVE
 
     def __str__(self) -> str:
+        if self.kind is SpecKind.SUFFIX:
+            return f"suffix:{self.num_tokens}" + (f"+{self.fallback}" if self.fallback else "")
         if self.kind in (SpecKind.CHAIN, SpecKind.NGRAM, SpecKind.TREE):
             return f"{self.kind.value}:{self.num_tokens}"
         if self.kind is SpecKind.STATIC:
@@ -100,6 +110,8 @@ def parse_speculation(value, has_draft: bool, device: str = "cpu") -> SpecMode:
 
 
 def _parse_string(value: str) -> SpecMode:
+    if value.startswith(SpecKind.SUFFIX.value):
+        return _parse_suffix(value)
     spelling, _, arg = value.partition(":")
     try:
         kind = SpecKind(spelling)
@@ -124,4 +136,27 @@ def _parse_string(value: str) -> SpecMode:
             raise ValueError(f"speculation {value!r}: {spelling} size must be in 1..{limit}")
         return SpecMode(kind, k)
     raise ValueError(f"unknown speculation {value!r}; use off, chain:K, tree, tree:N, "
-                     f"static:NAME, ngram:K or adaptive")
+                     f"static:NAME, ngram:K, adaptive, suffix, suffix:K or suffix+MODE")
+
+
+def _parse_suffix(value: str) -> SpecMode:
+    """"suffix", "suffix:K", either with "+MODE" (MODE a draft-model mode)."""
+    own, plus, rest = value.partition("+")
+    spelling, colon, arg = own.partition(":")
+    if spelling != SpecKind.SUFFIX.value or (colon and not arg):
+        raise ValueError(f"speculation {value!r}: expected suffix, suffix:K or suffix+MODE")
+    k = DEFAULT_SUFFIX_NODES
+    if arg:
+        try:
+            k = int(arg)
+        except ValueError:
+            raise ValueError(f"speculation {value!r}: expected suffix:<int>") from None
+        if not 1 <= k <= 64:
+            raise ValueError(f"speculation {value!r}: suffix size must be in 1..64")
+    fallback = None
+    if plus:
+        fallback = _parse_string(rest.strip())
+        if not fallback.needs_draft_model or fallback.kind is SpecKind.SUFFIX:
+            raise ValueError(f"speculation {value!r}: after suffix+ comes a draft-model mode "
+                             f"(chain:K, tree, tree:N, static:NAME or adaptive)")
+    return SpecMode(SpecKind.SUFFIX, k, fallback=fallback)

@@ -9,7 +9,7 @@ import pytest
 from specserve import LLM, SamplingParams
 
 MODES = ["chain:1", "chain:4", "static:small", [[0], [1], [2], [0, 0], [0, 0, 0]], "tree:12",
-         "tree", "ngram:3", "adaptive"]
+         "tree", "ngram:3", "adaptive", "suffix", "suffix:4+chain:3", "suffix+adaptive"]
 
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -57,7 +57,8 @@ def test_mixed_modes_with_preemption_and_aborts(tiny_target, tiny_draft, expecte
     llm = LLM(tiny_target, tiny_draft, num_blocks=22, block_size=4, max_num_seqs=8,
               enable_prefix_caching=False)
     engine = llm.engine
-    modes = ["chain:3", "tree:8", "static:small", "ngram:2", "off", "tree", "adaptive", "chain:2"]
+    modes = ["chain:3", "tree:8", "static:small", "ngram:2", "off", "tree", "adaptive",
+             "suffix:3+chain:2"]
     reqs = [engine.add_request(p, s, speculation=m) for p, s, m in zip(ps, sp, modes)]
     doomed = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
                                  speculation="tree") for p in prompts(2, seed=7)]

@@ -64,7 +64,8 @@ def reference(tiny_vocab):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["chain:3", "tree:8", "static:small"])
+# suffix: every earlier sample's text is in the store, so its trees hold several candidates.
+@pytest.mark.parametrize("mode", ["chain:3", "tree:8", "static:small", "suffix"])
 def test_speculative_sampling_matches_target(tiny_vocab, reference, mode):
     target, draft = tiny_vocab
     samples, stats = sample(target, draft, mode)
