@@ -37,15 +37,30 @@ def save_tokenizer(folder: Path) -> None:
     fast.save_pretrained(folder)
 
 
+# Per family: what its tiny model sets beyond the common shape. Gemma 3 gets a short window and
+# a 2 local : 1 global pattern, so tests cross both, and an attention scale of its own.
+ARCH_DEFAULTS = {
+    "qwen3": {"head_dim": 32, "architectures": ["Qwen3ForCausalLM"]},
+    "gemma3": {"head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 8,
+               "num_hidden_layers": 3, "architectures": ["Gemma3ForCausalLM"],
+               "layer_types": ["sliding_attention", "sliding_attention", "full_attention"]},
+}
+# Families whose norms get random weights (q/k norms included): a norm left at its initial
+# value would hide a weight applied wrongly (Gemma's multiplier is 1 + w, w initially 0).
+RANDOM_NORMS = {"qwen3": (0.5, 1.5), "gemma3": (-0.5, 0.5)}
+
+
 def make_config(arch: str, **overrides):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,  # noqa: C408
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   rms_norm_eps=1e-6, eos_token_id=2, bos_token_id=None, pad_token_id=0,
                   tie_word_embeddings=False)
+    common.update(ARCH_DEFAULTS.get(arch, {}))
     common.update(overrides)
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[arch]
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig,
+           "qwen3": Qwen3Config, "gemma3": Gemma3TextConfig}[arch]
     if arch == "mistral":
         common.setdefault("sliding_window", None)
     return cls(**common)
@@ -61,9 +76,11 @@ def save_model(folder: Path, arch: str, seed: int = 0, dtype=torch.float32, **ov
     model = AutoModelForCausalLM.from_config(config)
     # Larger-than-default init spreads the logits so greedy choices are not near-ties.
     with torch.no_grad():
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             if p.dim() > 1:
                 p.normal_(0, 0.08)
+            elif "norm" in name and arch in RANDOM_NORMS:
+                p.uniform_(*RANDOM_NORMS[arch])
     model.to(dtype).save_pretrained(folder)
     save_tokenizer(folder)
     return folder

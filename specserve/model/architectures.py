@@ -1,13 +1,20 @@
-"""One parameterised decoder for the Llama, Qwen2 and Mistral families.
+"""One parameterised decoder for the Llama, Qwen2, Mistral, Qwen3 and Gemma 3 families.
 
-The three differ only in data: Qwen2 adds q/k/v biases, Mistral may set a sliding window (which
-we reject rather than silently ignore when a request could exceed it), and any of them may tie
-the LM head to the embedding. `ArchSpec.from_hf_config` reads those differences once.
+They differ only in data, which `ArchSpec.from_hf_config` reads once: Qwen2 adds q/k/v biases;
+any of them may tie the LM head to the embedding; Qwen3 normalises each query and key head
+(RMSNorm over head_dim) before the rotary embedding; Gemma 3 does too and adds: a GeGLU MLP
+(gelu, tanh approximation), norms before and after each block, RMSNorm weights stored as
+w for a multiplier of 1 + w (the loader adds the 1 once), embeddings scaled by sqrt(hidden),
+its own attention scale (query_pre_attn_scalar), sliding-window layers (`layer_types`) with their
+own rotary base, and optional tanh soft-capping of the final logits (a config's
+attn_logit_softcapping is ignored, as transformers' and llama.cpp's Gemma 3 ignore it). Mistral's
+single `sliding_window` is not applied (a request past it would differ from the checkpoint's
+semantics).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -30,7 +37,10 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "MistralForCausalLM": "mistral",
+    "Qwen3ForCausalLM": "qwen3",
+    "Gemma3ForCausalLM": "gemma3",
 }
+_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
 @dataclass(frozen=True)
@@ -61,6 +71,19 @@ class ArchSpec:
     # final hidden state at the position before it: `fc` fuses [embedding, hidden] into its
     # first layer's input. Its hidden size is the target's.
     reads_target_hidden: bool = False
+    # Qwen3 / Gemma 3 (module docstring): per-head q/k RMSNorm; Gemma's block norms.
+    qk_norm: bool = False
+    sandwich_norms: bool = False  # post-attention and pre/post-feedforward norms
+    norm_weight_offset: float = 0.0  # a checkpoint norm weight w multiplies by offset + w
+    mlp_activation: str = "silu"  # "silu" | "gelu_tanh"
+    embed_scale: float | None = None  # token embeddings multiplied by it
+    attn_scale: float | None = None  # None: head_dim ** -0.5
+    final_softcap: float | None = None  # logits -> cap * tanh(logits / cap)
+    # Per layer: its sliding window (a query at position p sees keys at positions > p - window)
+    # or None for global attention; () when every layer is global.
+    layer_windows: tuple[int | None, ...] = ()
+    # The rotary inv_freq of the sliding layers when it differs from `inv_freq` (Gemma 3).
+    local_inv_freq: tuple[float, ...] | None = None
 
     @classmethod
     def from_hf_config(cls, config) -> ArchSpec:
@@ -72,8 +95,22 @@ class ArchSpec:
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
         num_heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-        inv_freq, scaling = rope_inv_freq(config, head_dim)
+        per_type = _per_layer_type_rope(config)
+        inv_freq, scaling = rope_inv_freq(config, head_dim,
+                                          "full_attention" if per_type else None)
         window = getattr(config, "sliding_window", None) if arch == "MistralForCausalLM" else None
+        gemma = arch == "Gemma3ForCausalLM"
+        local_inv_freq = None
+        if per_type:
+            local, local_scaling = rope_inv_freq(config, head_dim, "sliding_attention")
+            if local_scaling != 1.0:
+                raise ValueError("a scaled rotary embedding on sliding layers is not supported")
+            local_inv_freq = tuple(local.tolist())
+        activation = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act",
+                                                                           "silu")
+        if activation not in _ACTIVATIONS:
+            raise ValueError(f"unsupported MLP activation {activation!r}; supported: "
+                             f"{', '.join(_ACTIVATIONS)}")
         return cls(
             architecture=arch,
             vocab_size=config.vocab_size,
@@ -93,17 +130,52 @@ class ArchSpec:
             head_vocab_size=getattr(config, "draft_vocab_size", None),
             shared_embeddings=bool(getattr(config, "shares_target_embeddings", False)),
             reads_target_hidden=bool(getattr(config, "reads_target_hidden", False)),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+            sandwich_norms=gemma,
+            norm_weight_offset=1.0 if gemma else 0.0,
+            mlp_activation=_ACTIVATIONS[activation],
+            embed_scale=config.hidden_size ** 0.5 if gemma else None,
+            attn_scale=config.query_pre_attn_scalar ** -0.5 if gemma else None,
+            final_softcap=getattr(config, "final_logit_softcapping", None) if gemma else None,
+            layer_windows=_layer_windows(config, arch),
+            local_inv_freq=local_inv_freq,
         )
 
 
-def rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
-    """inv_freq [head_dim / 2] and the attention scaling for the config's rope type.
+def _per_layer_type_rope(config) -> bool:
+    """True when the config holds one rope setting per layer type (Gemma 3's global / local)."""
+    params = getattr(config, "rope_parameters", None) or {}
+    return isinstance(params.get("full_attention"), dict)
+
+
+def _layer_windows(config, arch: str) -> tuple[int | None, ...]:
+    """Each layer's sliding window from `layer_types` (Qwen3, Gemma 3); () for all global."""
+    types = getattr(config, "layer_types", None)
+    window = getattr(config, "sliding_window", None)
+    if arch not in ("Qwen3ForCausalLM", "Gemma3ForCausalLM") or not types or not window:
+        return ()
+    unknown = set(types) - {"sliding_attention", "full_attention"}
+    if unknown:
+        raise ValueError(f"unsupported layer types {sorted(unknown)}; supported: "
+                         f"sliding_attention, full_attention")
+    if len(types) != config.num_hidden_layers:
+        raise ValueError(f"{len(types)} layer_types for {config.num_hidden_layers} layers")
+    windows = tuple(window if t == "sliding_attention" else None for t in types)
+    return windows if any(w is not None for w in windows) else ()
+
+
+def rope_inv_freq(config, head_dim: int, layer_type: str | None = None
+                  ) -> tuple[torch.Tensor, float]:
+    """inv_freq [head_dim / 2] and the attention scaling for the config's rope type (of
+    `layer_type`'s layers, for a config with one rope setting per layer type).
 
     The scaled variants (llama3, linear, yarn, longrope) come from transformers' own rope
     functions so we follow the checkpoint's semantics exactly; dynamic NTK depends on the running
     sequence length and is rejected.
     """
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if layer_type is not None:
+        params = params[layer_type]
     rope_type = params.get("rope_type", params.get("type", "default"))
     theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
     if rope_type == "default":
@@ -114,12 +186,17 @@ def rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"unsupported rope_scaling type {rope_type!r}")
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    extra = {} if layer_type is None else {"layer_type": layer_type}
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), **extra)
     return inv_freq.float(), float(scaling)
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, spec: ArchSpec, dtype: torch.dtype, shard: TPShard = WHOLE) -> None:
+    """q/k/v projection (q/k heads RMS-normalised for Qwen3 / Gemma 3), rotary embedding,
+    paged attention (over `window` positions on a sliding layer), output projection."""
+
+    def __init__(self, spec: ArchSpec, dtype: torch.dtype, shard: TPShard = WHOLE,
+                 window: int | None = None) -> None:
         super().__init__()
         D = spec.head_dim
         q_rows = even_range(spec.num_heads * D, shard, "attention heads x head_dim")
@@ -130,7 +207,10 @@ class DecoderAttention(nn.Module):
         self.qkv_proj = ColumnParallelLinear(spec.hidden_size, [q_rows, kv_rows, kv_rows],
                                              bias=spec.qkv_bias, dtype=dtype)
         self.o_proj = RowParallelLinear(q_rows.full, spec.hidden_size, dtype, shard)
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, spec.head_dim)
+        self.q_norm = RMSNorm(D, spec.rms_norm_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(D, spec.rms_norm_eps) if spec.qk_norm else None
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, spec.head_dim,
+                                   scale=spec.attn_scale, window=window)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
                 kv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -139,6 +219,8 @@ class DecoderAttention(nn.Module):
         q_len = self.num_heads * self.head_dim
         kv_len = self.num_kv_heads * self.head_dim
         qkv = self.qkv_proj(x)  # [T, q_len + 2 kv_len]
+        if self.q_norm is not None:
+            qkv = self._norm_heads(qkv, q_len, kv_len)
         rotated = rotary.rotate_qk_(positions, qkv, self.num_heads, self.num_kv_heads)
         q, k, v = qkv.split([q_len, kv_len, kv_len], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
@@ -146,22 +228,43 @@ class DecoderAttention(nn.Module):
         v = v.view(T, self.num_kv_heads, self.head_dim)
         if not rotated:
             q, k = rotary(positions, q, k)
-        out = self.attn(q, k, v, kv[0], kv[1], meta)  # [T, Hq, D]
+        out = self.attn(q, k, v, kv[0], kv[1], meta, positions)  # [T, Hq, D]
         return self.o_proj(out.reshape(T, q_len))
+
+    def _norm_heads(self, qkv: torch.Tensor, q_len: int, kv_len: int) -> torch.Tensor:
+        """qkv [T, q_len + 2 kv_len] -> a contiguous copy with every q and k head normalised
+        (the rotary kernel then rotates it in place)."""
+        T, D = qkv.shape[0], self.head_dim
+        q = self.q_norm(qkv[:, :q_len].reshape(-1, D)).view(T, q_len)  # [T Hq, D] -> [T, q_len]
+        k = self.k_norm(qkv[:, q_len:q_len + kv_len].reshape(-1, D)).view(T, kv_len)
+        return torch.cat([q, k, qkv[:, q_len + kv_len:]], dim=-1)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ArchSpec, dtype: torch.dtype, shard: TPShard = WHOLE) -> None:
+    def __init__(self, spec: ArchSpec, dtype: torch.dtype, shard: TPShard = WHOLE,
+                 window: int | None = None) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.self_attn = DecoderAttention(spec, dtype, shard)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = GatedMLP(spec.hidden_size, spec.intermediate_size, dtype, shard)
+        H, eps = spec.hidden_size, spec.rms_norm_eps
+        self.window = window
+        self.input_layernorm = RMSNorm(H, eps)
+        self.self_attn = DecoderAttention(spec, dtype, shard, window)
+        # Llama's post_attention_layernorm is the norm before the MLP; Gemma's (same name in its
+        # checkpoints) normalises the attention output, and pre_feedforward_layernorm is the
+        # norm before the MLP.
+        self.post_attention_layernorm = RMSNorm(H, eps)
+        self.pre_feedforward_layernorm = RMSNorm(H, eps) if spec.sandwich_norms else None
+        self.post_feedforward_layernorm = RMSNorm(H, eps) if spec.sandwich_norms else None
+        self.mlp = GatedMLP(spec.hidden_size, spec.intermediate_size, dtype, shard,
+                            spec.mlp_activation)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
                 kv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attn = self.self_attn(self.input_layernorm(x), positions, rotary, kv, meta)
+        if self.pre_feedforward_layernorm is None:
+            x = x + attn
+            return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.post_attention_layernorm(attn)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
 class DecoderLM(nn.Module):
@@ -184,8 +287,9 @@ class DecoderLM(nn.Module):
         H = spec.hidden_size
         self.fc = (ColumnParallelLinear(2 * H, [RowRange(H, 0, H)], bias=True, dtype=dtype)
                    if spec.reads_target_hidden else None)
-        self.layers = nn.ModuleList(DecoderLayer(spec, dtype, shard)
-                                    for _ in range(spec.num_layers))
+        windows = spec.layer_windows or (None,) * spec.num_layers
+        self.layers = nn.ModuleList(DecoderLayer(spec, dtype, shard, windows[i])
+                                    for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         head_rows = spec.head_vocab_size or spec.vocab_size
         self.lm_head = (None if spec.tie_word_embeddings
@@ -196,6 +300,10 @@ class DecoderLM(nn.Module):
                              if spec.head_vocab_size else None)
         self.rotary = RotaryEmbedding(spec.head_dim, spec.max_position_embeddings,
                                       torch.tensor(spec.inv_freq), spec.rope_attention_scaling)
+        # Gemma 3's sliding layers rotate with their own base.
+        self.rotary_local = (None if spec.local_inv_freq is None
+                             else RotaryEmbedding(spec.head_dim, spec.max_position_embeddings,
+                                                  torch.tensor(spec.local_inv_freq)))
         for norm in self._norms():
             norm.weight.data = norm.weight.data.to(dtype)
             norm.weight.requires_grad_(False)
@@ -218,6 +326,8 @@ class DecoderLM(nn.Module):
         output standing in for it)."""
         # A draft's shared embeddings keep the target's dtype: cast the looked-up rows.
         x = self.embed_tokens(input_ids).to(self.dtype)  # [T, H]
+        if self.spec.embed_scale is not None:  # rounded to the layers' dtype, as Gemma does
+            x = x * torch.tensor(self.spec.embed_scale, dtype=x.dtype)
         if self.fc is not None:
             if target_hidden is None:
                 raise ValueError("this draft reads the target's hidden states; none were given")
@@ -225,8 +335,13 @@ class DecoderLM(nn.Module):
         stacked = cpu_stack.run_layers(self, x, positions, kv_cache, meta)
         if stacked is not None:
             return self.norm(stacked)
+        if self.spec.layer_windows and meta.max_position is None:
+            # Sliding layers attend with the plain kernels while no query is past the window.
+            meta = replace(meta, max_position=int(positions.max()) if len(positions) else 0)
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, self.rotary, kv_cache[i], meta)
+            rotary = (self.rotary_local if layer.window is not None and self.rotary_local
+                      is not None else self.rotary)
+            x = layer(x, positions, rotary, kv_cache[i], meta)
         return self.norm(x)
 
     def _apply(self, fn, recurse: bool = True):
@@ -238,6 +353,9 @@ class DecoderLM(nn.Module):
         on rank 0, None on the others."""
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         logits = head.logits(hidden)  # [N, head rows]
+        cap = self.spec.final_softcap
+        if logits is not None and cap is not None:
+            logits = torch.tanh(logits / cap) * cap
         if logits is None or self.head_token_ids is None:
             return logits
         full = logits.new_full((logits.shape[0], self.spec.vocab_size), float("-inf"))

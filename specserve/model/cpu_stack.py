@@ -5,8 +5,10 @@ chunks): it hands the whole stack of layers to `kernels.cpu_decoder.DecoderStack
 the same kernels the layers would, in the same order, without the Python dispatch between
 them. It returns None, and the layers run one by one, when the stack does not apply: CUDA,
 tensor parallelism (the row-parallel products all-reduce between layers), more than
-cpu_decoder.MAX_ROWS rows, weights the kernels do not take (fp32 dense projections), no kernel
-library, or SPECSERVE_CPU_STACK=0.
+cpu_decoder.MAX_ROWS rows, weights the kernels do not take (fp32 dense projections), a block
+the C layer does not have (Qwen3's and Gemma 3's q/k norms, Gemma's block norms, GeGLU, sliding
+windows, another attention scale: `stack_runs`), no kernel library, or
+SPECSERVE_CPU_STACK=0.
 
 The stack is built at the first forward that can use it and points into the model's weights:
 moving the model (`.to()`, which goes through `_apply`) drops it, and the weights are not
@@ -28,7 +30,7 @@ def run_layers(model: nn.Module, x: torch.Tensor, positions: torch.Tensor,
                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
     """x [T, H] -> the last layer's output [T, H] through the C stack, or None."""
     if (x.device.type != "cpu" or x.shape[0] > cpu_decoder.MAX_ROWS or model.shard.is_split
-            or not cpu_decoder.enabled()):
+            or not cpu_decoder.enabled() or not stack_runs(model.spec)):
         return None
     lib = cpu_decoder.library()
     if lib is None:
@@ -39,6 +41,13 @@ def run_layers(model: nn.Module, x: torch.Tensor, positions: torch.Tensor,
     return stack.run(lib, x, positions, kv_cache, meta.slot_mapping, meta.block_tables,
                      meta.query_start_loc, meta.context_lens, meta.local_mask,
                      meta.max_query_len)
+
+
+def stack_runs(spec) -> bool:
+    """Whether the C layer (cpu_decoder.c: RMSNorm, fused q/k/v with rotary, paged attention at
+    head_dim ** -0.5, SwiGLU) computes this architecture's blocks."""
+    return not (spec.qk_norm or spec.sandwich_norms or spec.mlp_activation != "silu"
+                or bool(spec.layer_windows) or spec.attn_scale is not None)
 
 
 def forget(model: nn.Module) -> None:

@@ -68,11 +68,15 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)), gate and up fused into one column-parallel matmul."""
+    """down(act(gate(x)) * up(x)), gate and up fused into one column-parallel matmul; act is
+    silu (SwiGLU) or gelu with the tanh approximation (Gemma's GeGLU)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype,
-                 shard: TPShard = WHOLE) -> None:
+                 shard: TPShard = WHOLE, activation: str = "silu") -> None:
         super().__init__()
+        if activation not in ("silu", "gelu_tanh"):
+            raise ValueError(f"unsupported MLP activation {activation!r}")
+        self.activation = activation
         channels = even_range(intermediate_size, shard, "intermediate size")
         self.gate_up_proj = ColumnParallelLinear(hidden_size, [channels, channels], bias=False,
                                                  dtype=dtype)
@@ -80,6 +84,9 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2I]
+        if self.activation == "gelu_tanh":
+            gate, up = gate_up.chunk(2, dim=-1)
+            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
         activated = cpu_decoder.silu_mul(gate_up)  # in C, or None
         if activated is None:
             gate, up = gate_up.chunk(2, dim=-1)

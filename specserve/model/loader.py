@@ -168,7 +168,7 @@ def _load_hf(path: Path, dtype: str | torch.dtype, device: str | torch.device,
     if resolve_quantization(quantization) is not None:
         _check_quantized_split(spec, shard)
     model = DecoderLM(spec, torch_dtype, shard)
-    loaded = _fill(model, tensors())
+    loaded = _fill(model, tensors(), spec.norm_weight_offset)
     if spec.shared_embeddings:
         _share_embeddings(model, target, path)
         loaded.add(("embed_tokens.weight", 0))
@@ -241,9 +241,10 @@ def _check_quantized_split(spec: ArchSpec, shard: TPShard) -> None:
                 quant_block=QUANT_BLOCK)
 
 
-def _fill(model: DecoderLM, tensors) -> set[tuple[str, int]]:
+def _fill(model: DecoderLM, tensors, norm_offset: float = 0.0) -> set[tuple[str, int]]:
     """Copy this rank's part of each checkpoint tensor into `model`; returns the (parameter,
-    shard) pairs filled.
+    shard) pairs filled. `norm_offset` is added to every norm weight, in float32 before the
+    cast (Gemma's checkpoints store w for a multiplier of 1 + w; its GGUF files store 1 + w).
 
     `tensors` yields (file, checkpoint name, open()) per tensor; open() gives the tensor or a
     lazy safetensors slice, and is called only once the tensor is routed to a parameter. Each
@@ -280,6 +281,8 @@ def _fill(model: DecoderLM, tensors) -> set[tuple[str, int]]:
                         raise ValueError(f"shape mismatch: expected "
                                          f"{tuple(params[target].shape)}, got "
                                          f"{tuple(tensor.shape)}")
+                    if norm_offset:
+                        tensor = tensor.float() + norm_offset
                     params[target].data.copy_(tensor)
                 else:
                     loader(params[target], source, shard)

@@ -17,6 +17,11 @@ CASES = {
                                            "rope_scaling": LLAMA3_ROPE}),
     "qwen2-bias": ("qwen2", {}),
     "mistral": ("mistral", {"num_key_value_heads": 4}),
+    "qwen3-qknorm": ("qwen3", {}),
+    "gemma3-sliding": ("gemma3", {}),
+    "gemma3-tied-softcap-linear-rope": ("gemma3", {
+        "tie_word_embeddings": True, "final_logit_softcapping": 3.0,
+        "rope_scaling": {"rope_type": "linear", "factor": 4.0}}),
 }
 ATOL = 2e-5
 
