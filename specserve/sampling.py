@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .structured.spec import StructuredOutput
+
 MAX_LOGPROBS = 20  # most alternatives a request may ask for at each position (vLLM's default)
 
 
@@ -34,6 +36,9 @@ class SamplingParams:
     # likeliest alternatives at each position; None: none.
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # What the output must match (JSON schema, regex, grammar, choice); None: free text. The
+    # grammar masks the draft's and the target's logits before temperature, top-k and top-p.
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and frozen into a tuple so the params stay hashable.
@@ -57,6 +62,9 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
                 raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}] or None, got {value}")
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise ValueError("structured must be a StructuredOutput (e.g. "
+                             "StructuredOutput.json(schema)) or None")
 
     @property
     def greedy(self) -> bool:

@@ -55,6 +55,9 @@ class ProposerInput:
     remaining_tokens: int  # tokens the request may still commit
     num_spec_slots: int  # KV slots past the root reserved for a tree (0: no speculation)
     mode: SpecMode  # the mode this step (adaptive already resolved)
+    # Structured output (specserve.structured.matcher.RequestGrammar): the draft proposes only
+    # tokens it allows at each node. None: unconstrained.
+    grammar: object | None = None
 
 
 @dataclass
@@ -226,6 +229,8 @@ class DraftModelProposer:
         new_nodes = []
         for node in sorted(g.expand):
             logits = g.expand.pop(node)
+            if g.inp.grammar is not None:
+                logits = g.inp.grammar.masked_draft_logits(logits, g.tokens, g.parents, node)
             count = self._num_children(g, node)
             if count == 0:
                 continue
