@@ -18,7 +18,9 @@ tokens, which would inflate it); a chain of k runs about k draft forwards, the c
 them. Estimates are exponentially weighted, so a request whose text turns predictable (code,
 quotes) lengthens its chain and one that wanders shortens it. A request that stopped
 speculating probes with one token every PROBE_EVERY steps so it can notice when drafting pays
-again.
+again. The engine's estimates start from what was measured of the draft where that was saved
+beside it (`acceptance.json`, see `acceptance_prior`), so a weak draft is not tried at length
+on the first requests and a strong one is used at once; else from PRIOR_ACCEPTANCE.
 
 The choice is a pure function of state that changes only after verification, so the scheduler
 (which reserves KV slots) and the proposer (which drafts) see the same mode within a step.
@@ -26,12 +28,15 @@ The choice is a pure function of state that changes only after verification, so 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from .modes import OFF, SpecKind, SpecMode
 
 MAX_CHAIN = 8
 PRIOR_ACCEPTANCE = 0.6  # before anything is measured: optimistic enough to try drafting
+PRIOR_FILE = "acceptance.json"  # in a draft's folder: {"acceptance_per_depth": [a_1, ...]}
 DECAY = 0.8  # weight of the old estimate per observation
 PROBE_EVERY = 16
 MAX_FIT_ROWS = 64  # target forwards with more query rows (prompt chunks) stay out of the fit
@@ -125,6 +130,25 @@ def best_chain_length(acceptance: list[float], draft_cost_ratio: float) -> int:
         if rate > best_rate:
             best_k, best_rate = k, rate
     return best_k
+
+
+def acceptance_prior(draft_dir: str | Path | None) -> list[float]:
+    """The a_1 .. a_MAX_CHAIN a draft starts from: the rates measured for it (PRIOR_FILE in its
+    folder; depths past the list take its last rate), else PRIOR_ACCEPTANCE at every depth."""
+    file = Path(draft_dir) / PRIOR_FILE if draft_dir is not None else None
+    if file is None or not file.is_file():
+        return [PRIOR_ACCEPTANCE] * MAX_CHAIN
+    try:
+        rates = json.loads(file.read_text())["acceptance_per_depth"]
+        ok = (isinstance(rates, list) and rates
+              and all(isinstance(a, (int, float)) and 0.0 <= a <= 1.0 for a in rates))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{file}: not an acceptance prior ({exc})") from None
+    if not ok:
+        raise ValueError(f"{file}: acceptance_per_depth must be a non-empty list of rates in "
+                         f"[0, 1], got {rates!r}")
+    rates = [float(a) for a in rates[:MAX_CHAIN]]
+    return rates + [rates[-1]] * (MAX_CHAIN - len(rates))
 
 
 def _ewma(old: float | None, new: float) -> float:

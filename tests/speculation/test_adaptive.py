@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from specserve import LLM, SamplingParams
 from specserve.speculation.adaptive import (
     MAX_CHAIN,
+    PRIOR_ACCEPTANCE,
+    PRIOR_FILE,
     PROBE_EVERY,
     AdaptiveController,
+    acceptance_prior,
     best_chain_length,
 )
 
@@ -75,3 +80,22 @@ def test_row_cost_is_fitted_from_forwards_of_varying_size_and_shortens_chains():
     assert ctl.row_time_s() == pytest.approx(0.002, rel=1e-6)
     cheap_rows = best_chain_length(acceptance, 0.0005 / ctl.target_time_s)
     assert best_chain_length(acceptance, ctl._cost_ratio()) < cheap_rows
+
+
+def test_prior_comes_from_the_draft_folder(tmp_path):
+    assert acceptance_prior(None) == [PRIOR_ACCEPTANCE] * MAX_CHAIN
+    assert acceptance_prior(tmp_path) == [PRIOR_ACCEPTANCE] * MAX_CHAIN  # no file
+    (tmp_path / PRIOR_FILE).write_text(json.dumps({"acceptance_per_depth": [0.3, 0.2]}))
+    assert acceptance_prior(tmp_path) == [0.3, 0.2] + [0.2] * (MAX_CHAIN - 2)
+    # A weak draft's prior makes the first request of a fresh engine skip long chains.
+    weak = AdaptiveController(engine_acceptance=acceptance_prior(tmp_path))
+    chain = best_chain_length(weak._state("r").acceptance, 0.25)
+    assert chain <= 1 < best_chain_length(AdaptiveController()._state("r").acceptance, 0.25)
+
+
+@pytest.mark.parametrize("text", ['{"acceptance_per_depth": [1.5]}', '{"other": 1}', "not json",
+                                  '{"acceptance_per_depth": []}'])
+def test_a_bad_prior_file_is_a_clear_error(tmp_path, text):
+    (tmp_path / PRIOR_FILE).write_text(text)
+    with pytest.raises(ValueError, match="acceptance"):
+        acceptance_prior(tmp_path)
