@@ -38,6 +38,8 @@ from ..speculation.proposers import (
 from ..speculation.suffix import SuffixProposer
 from ..speculation.tree import TokenTree, build_tree_buffers, node_depths
 from ..speculation.verify import Verdict, verify_greedy, verify_sampled
+from ..structured.compiler import GrammarCompiler
+from ..structured.matcher import RequestGrammar, apply_mask
 from ..validation import RequestLimits, check_lengths, check_prompt_ids
 from .block_manager import BlockManager
 from .interface import EngineLimits, EngineStats, KVPoolStats, ModelInfo
@@ -86,6 +88,11 @@ class EngineCore:
         self.scheduler = Scheduler(sched_config, self.block_manager, self._spec_slots,
                                    track_draft_kv=self.draft is not None)
         self.requests: dict[str, Request] = {}
+        # Structured output: compiled grammars (cached, shared with the server's compile) and
+        # the matcher of every constrained request, at its committed output.
+        self.grammars = GrammarCompiler(self.tokenizer, self.target.spec.vocab_size,
+                                        self.eos_token_ids)
+        self._grammar: dict[str, RequestGrammar] = {}
         self.stats = EngineStats()
         self._ids = itertools.count()
 
@@ -103,6 +110,8 @@ class EngineCore:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.validate(ids, params)
+        if params.structured is not None:
+            self.grammars.compile(params.structured)  # GrammarError (a ValueError) names it
         mode = (parse_speculation(speculation, self.draft is not None)
                 if speculation is not None else None)
         return Request(request_id, ids, params, self.eos_token_ids, self.tokenizer, mode)
@@ -110,6 +119,9 @@ class EngineCore:
     def add(self, req: Request) -> None:
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
+        if req.params.structured is not None:  # compiled in make_request: a cache hit
+            self._grammar[req.request_id] = RequestGrammar(
+                self.grammars.compile(req.params.structured), self.target.spec.vocab_size)
         self.requests[req.request_id] = req
         self.scheduler.add(req)
 
@@ -238,7 +250,8 @@ class EngineCore:
         trees: dict[str, TokenTree] = {}
         draft_proposal = None
         for proposer in (self.ngram, self.suffix, self.proposer):
-            batch = [_proposer_input(item, modes.get(item.request.request_id, OFF))
+            batch = [_proposer_input(item, modes.get(item.request.request_id, OFF),
+                                     self._grammar.get(item.request.request_id))
                      for item in scheduled
                      if proposer is not None and self._step_proposer(item, modes) is proposer]
             if not batch:
@@ -249,6 +262,10 @@ class EngineCore:
             trees.update(proposal.trees)
             if proposer is self.proposer:
                 draft_proposal = proposal
+        # A constrained request's tree loses the nodes its grammar rejects (a proposer that
+        # does not mask, such as n-gram lookup, may propose them).
+        trees = {rid: self._grammar[rid].prune(tree) if rid in self._grammar else tree
+                 for rid, tree in trees.items()}
         return {rid: tree for rid, tree in trees.items() if len(tree) > 1}, draft_proposal
 
     def _step_proposer(self, item: ScheduledRequest, modes: dict[str, SpecMode]
@@ -303,7 +320,10 @@ class EngineCore:
                 segments: list[Segment], logits: list[torch.Tensor]
                 ) -> list[tuple[ScheduledRequest, TokenTree, Verdict]]:
         """A verdict for every request that samples this step; prompt chunks that do not reach
-        the end of the prompt only advance."""
+        the end of the prompt only advance. A constrained request's logits are masked by its
+        grammar at every node first (argmax and distribution alike)."""
+        logits = [self._mask_logits(item.request, seg, lg, trees)
+                  for item, seg, lg in zip(scheduled, segments, logits)]
         greedy_rows = [lg for item, lg in zip(scheduled, logits)
                        if lg.shape[0] and item.request.params.greedy]
         # One host transfer for every greedy request's argmax.
@@ -324,6 +344,15 @@ class EngineCore:
                 verdict = verify_sampled(tree, process_logits(lg, req.params), req.generator)
             verdicts.append((item, tree, verdict))
         return verdicts
+
+    def _mask_logits(self, req: Request, seg: Segment, lg: torch.Tensor,
+                     trees: dict[str, TokenTree]) -> torch.Tensor:
+        """lg [n, V] with the tokens the grammar disallows after each node at -inf."""
+        grammar = self._grammar.get(req.request_id)
+        if grammar is None or lg.shape[0] == 0:
+            return lg
+        tree = trees.get(req.request_id) or TokenTree([seg.token_ids[-1]], [-1])
+        return apply_mask(lg, grammar.tree_mask(tree))
 
     def _score(self, scheduled: list[ScheduledRequest], segments: list[Segment],
                logits: list[torch.Tensor], hidden: list[torch.Tensor],
@@ -414,6 +443,11 @@ class EngineCore:
             committed.append(token)
             if req.append_token(token):
                 break
+        grammar = self._grammar.get(req.request_id)
+        if grammar is not None:
+            grammar.commit(committed)
+            if grammar.is_terminated and not req.is_finished:  # ignore_eos: the output is done
+                req.finish("stop")
         self.stats.num_generation_tokens += len(committed)
         return committed
 
@@ -441,6 +475,7 @@ class EngineCore:
         """A request left the engine: drop what adaptive speculation and the draft keep of it;
         its text stays in the suffix store for later requests."""
         self.adaptive.forget(req.request_id)
+        self._grammar.pop(req.request_id, None)
         self.suffix.finish(req.request_id, req.all_token_ids)
         self._forget_target_hidden(req)
 
@@ -486,12 +521,13 @@ def _prompt_logprob_rows(req: Request, start: int, end: int) -> range:
     return range(first - start, max(first, min(end, len(req.prompt_token_ids) - 1)) - start)
 
 
-def _proposer_input(item: ScheduledRequest, mode: SpecMode) -> ProposerInput:
+def _proposer_input(item: ScheduledRequest, mode: SpecMode,
+                    grammar: RequestGrammar | None) -> ProposerInput:
     req = item.request
     return ProposerInput(req.request_id, req.all_token_ids, req.block_table, req.params,
                          req.generator, req.num_computed_tokens, req.num_draft_computed,
                          item.num_new_tokens, req.is_decoding, req.remaining_tokens,
-                         item.num_spec_slots, mode)
+                         item.num_spec_slots, mode, grammar)
 
 
 def _count_draft(spec, stats: EngineStats, num_nodes: int, num_accepted: int,
