@@ -105,10 +105,9 @@ def main(argv: list[str] | None = None) -> int:
             "not a GGUF file")
     rows = measure_decode(runners, {"specserve": names}, prompts, args.rounds)
     print(f"{llm.engine.config.target.name} + {llm.engine.config.draft}: loaded in "
-          f"{load_s:.1f} s; {len(prompts)} held-out chat prompts (turn {args.turns}), greedy, batch 1, "
-          f"up to "
-          f"{args.max_tokens} tokens, {args.rounds} timed round(s); {args.threads} threads, "
-          f"dtype {args.dtype}, load average {env['load_average'][0]:.2f}\n"
+          f"{load_s:.1f} s; {len(prompts)} held-out chat prompts (turn {args.turns}), greedy, "
+          f"batch 1, up to {args.max_tokens} tokens, {args.rounds} timed round(s); "
+          f"{args.threads} threads, dtype {args.dtype}, load average {env['load_average'][0]:.2f}\n"
           f"outputs: all {len(names)} modes produced identical token ids\n")
     by_name = {row.name: row for row in rows}
     print(format_rows(rows, [(names[0], by_name[names[0]]), (LLAMA, by_name.get(LLAMA))]))

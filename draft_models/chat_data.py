@@ -95,3 +95,38 @@ def frequent_tokens(records: Sequence[dict], size: int, always: Sequence[int]) -
             chosen.append(next_id)
         next_id += 1
     return torch.tensor(sorted(chosen), dtype=torch.long)
+
+
+def vocabulary_coverage(token_ids: torch.Tensor, records: Sequence[dict]) -> float:
+    """The share of the records' reply tokens the draft's head can propose: every other token
+    is a certain rejection."""
+    head = set(token_ids.tolist())
+    replies = [t for r in records for t in r["reply_ids"]]
+    return sum(t in head for t in replies) / max(1, len(replies))
+
+
+def corpus_records(corpus: Path, held_out_share: float = 0.1) -> tuple[list[dict], int]:
+    """The corpus shards (corpus.py) as records, the held-out ones last, and how many those are:
+    the greedy replies of the last shards, about `held_out_share` of the greedy replies
+    (agreement with the target is measured against greedy replies only; the sampled ones of
+    those shards are left out rather than trained on)."""
+    from .corpus import next_shard, read_shard, shard_path
+
+    shards = [read_shard(shard_path(corpus, k))[0] for k in range(next_shard(corpus))]
+    if len(shards) < 2:
+        raise ValueError(f"{corpus}: {len(shards)} corpus shard(s); training needs at least 2 "
+                         f"(one is held out)")
+    greedy = sum(r.temperature == 0.0 for shard in shards for r in shard)
+    held_shards, held_greedy = 0, 0
+    while held_greedy < held_out_share * greedy and held_shards < len(shards) - 1:
+        held_shards += 1
+        held_greedy += sum(r.temperature == 0.0 for r in shards[-held_shards])
+
+    def record(r) -> dict:
+        return {"question": None, "prompt_ids": r.prompt_ids, "reply_ids": r.reply_ids}
+
+    train = [record(r) for shard in shards[:len(shards) - held_shards] for r in shard]
+    held = [record(r) for shard in shards[len(shards) - held_shards:] for r in shard
+            if r.temperature == 0.0]
+    return train + held, len(held)
+

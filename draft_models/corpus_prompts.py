@@ -20,8 +20,17 @@ import functools
 import itertools
 import random
 
-from .chat_prompts import (ANIMALS, CODE_TASKS, CONCEPTS, COUNTRIES, HELD_OUT_PROMPTS, LANGUAGES,
-                           PAIRS, TASKS, WRITING_SUBJECTS)
+from .chat_prompts import (
+    ANIMALS,
+    CODE_TASKS,
+    CONCEPTS,
+    COUNTRIES,
+    HELD_OUT_PROMPTS,
+    LANGUAGES,
+    PAIRS,
+    TASKS,
+    WRITING_SUBJECTS,
+)
 
 MORE_CONCEPTS = [
     "entropy", "the Doppler effect", "osmosis", "mitosis", "natural selection", "genetics",
@@ -43,7 +52,8 @@ MORE_CONCEPTS = [
     "the Silk Road trade", "the Ottoman Empire", "the Aztecs", "the Maya", "the Vikings",
     "ancient Greece", "ancient Rome", "the Middle Ages", "feudalism", "the Reformation",
     "the Enlightenment", "the American Revolution", "colonialism", "the space race",
-    "the Apollo program", "the International Space Station", "Mars exploration", "comets and meteors",
+    "the Apollo program", "the International Space Station", "Mars exploration",
+    "comets and meteors",
     "the Milky Way", "neutron stars", "supernovas", "the speed of light", "atoms",
     "electrons", "photons", "friction", "momentum", "energy conservation", "heat transfer",
     "the greenhouse effect", "ocean currents", "the carbon cycle", "biodiversity",
@@ -167,12 +177,14 @@ FIRST_TURN_TEMPLATES = [
     ("I have never tried to {t}. Can you guide me?", "t"), ("What do I need to {t}?", "t"),
     ("How long does it take to {t}?", "t"), ("Give me five tips to {t}.", "t"),
     ("Write {l} code to {k}.", "kl"), ("How can I {k} in {l}? Show an example.", "kl"),
-    ("Explain how to {k} in {l} step by step.", "kl"), ("What is the simplest way to {k} in {l}?", "kl"),
+    ("Explain how to {k} in {l} step by step.", "kl"),
+    ("What is the simplest way to {k} in {l}?", "kl"),
     ("Tell me about the history of {n}.", "n"), ("What language is spoken in {n}?", "n"),
     ("Plan a three-day trip to {n}.", "n"), ("What is the climate like in {n}?", "n"),
     ("What are some traditions in {n}?", "n"),
     ("Write a poem about {w}.", "w"), ("Write a four-line poem about {w}.", "w"),
-    ("Write a children's story about {w}.", "w"), ("Write an opening paragraph for a novel about {w}.", "w"),
+    ("Write a children's story about {w}.", "w"),
+    ("Write an opening paragraph for a novel about {w}.", "w"),
     ("Write a song chorus about {w}.", "w"),
     ("What do {a} eat?", "a"), ("How long do {a} live?", "a"), ("Why are {a} interesting?", "a"),
     ("How do {a} raise their young?", "a"), ("What threats do {a} face in the wild?", "a"),
@@ -189,7 +201,8 @@ STYLES = [
 FOLLOW_UPS = [
     "Can you explain that more simply?", "Can you give me an example?", "Tell me more.",
     "Can you summarize that in one sentence?", "Why is that?", "What else should I know?",
-    "Can you make it shorter?", "Can you put that in a list?", "Thanks! Can you go into more detail?",
+    "Can you make it shorter?", "Can you put that in a list?",
+    "Thanks! Can you go into more detail?",
     "Is there anything I should be careful about?", "What would an expert add to that?",
     "Can you rewrite that in a more formal tone?", "What is the most important point?",
     "Can you give me three more ideas?", "How would you explain this to a child?",
@@ -210,7 +223,7 @@ def _subjects() -> dict[str, list]:
     langs = LANGUAGES + MORE_LANGUAGES
     return {
         "c": CONCEPTS + MORE_CONCEPTS, "t": TASKS + MORE_TASKS,
-        "kl": [(k, l) for k in CODE_TASKS + MORE_CODE_TASKS for l in langs],
+        "kl": [(k, lang) for k in CODE_TASKS + MORE_CODE_TASKS for lang in langs],
         "n": COUNTRIES + MORE_COUNTRIES, "w": WRITING_SUBJECTS + MORE_WRITING_SUBJECTS,
         "a": ANIMALS + MORE_ANIMALS, "pq": PAIRS + MORE_PAIRS, "h": PERSONS,
     }

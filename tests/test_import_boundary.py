@@ -50,7 +50,8 @@ def test_imported_modules_resolves_relative_imports():
     assert engine_imports(PACKAGE / "engine" / "core.py") >= {"specserve.engine.scheduler"}
 
 
-@pytest.mark.parametrize("path", sorted((PACKAGE / "speculation").glob("*.py")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted((PACKAGE / "speculation").glob("*.py")),
+                         ids=lambda p: p.name)
 def test_spec_never_imports_engine(path):
     assert not engine_imports(path), f"{path.name} imports {sorted(engine_imports(path))}"
 

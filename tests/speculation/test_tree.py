@@ -6,7 +6,12 @@ import pytest
 import torch
 
 from specserve.speculation.modes import parse_speculation
-from specserve.speculation.tree import STATIC_TREES, build_tree_buffers, children_lists, paths_to_parents
+from specserve.speculation.tree import (
+    STATIC_TREES,
+    build_tree_buffers,
+    children_lists,
+    paths_to_parents,
+)
 
 
 def test_hand_drawn_tree():
