@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs specserve from this checkout (editable), with optional extras: `setup.sh test,bench`,
-# and the default chat model.
+# `setup.sh cluster` (ray[serve], for `specserve serve --replicas N`), and the default chat model.
 #
 # torch comes first and on its own: when no torch is installed, a bare `torch` requirement makes
 # pip fetch the default (CUDA) build of several GB. A torch wheel in pip's local wheelhouse

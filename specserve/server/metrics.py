@@ -82,6 +82,25 @@ class _EngineCollector:
         yield gauge("specserve_prefix_cache_hit_rate", "Full prompt blocks found in the prefix "
                     "cache, of those looked up.", blocks.prefix_hit_rate)
 
+        # vLLM's load gauges (names, meanings, types), read by Kubernetes inference gateways'
+        # endpoint pickers to route between servers.
+        running, waiting = scheduler_counts(self.engine.num_in_flight(),
+                                            self.engine.limits.max_num_seqs)
+        yield gauge("vllm:num_requests_running", "Number of requests in model execution "
+                    "batches.", running)
+        yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+                    waiting)
+        usage = 1.0 - blocks.num_free_blocks / blocks.num_blocks if blocks.num_blocks else 0.0
+        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                    usage)
+
+
+def scheduler_counts(in_flight: int, max_num_seqs: int) -> tuple[int, int]:
+    """(running, waiting): the scheduler runs at most `max_num_seqs` requests side by side and
+    queues the rest (the engine interface exposes their sum, `num_in_flight`)."""
+    running = min(in_flight, max_num_seqs)
+    return running, in_flight - running
+
 
 class ServerMetrics:
     """One registry per app, so several apps in one process (tests) do not collide."""
@@ -117,7 +136,8 @@ def request_metrics(m: dict | None) -> dict:
         return {}
     n_out = m.get("num_output_tokens", 0)
     decode_s = m["e2e_s"] - m["ttft_s"]
-    return {
+    replica = {"replica": m["replica"]} if "replica" in m else {}  # set behind a cluster gateway
+    return {**replica,
         "queue_ms": round(m["queue_s"] * 1e3, 3),
         "ttft_ms": round(m["ttft_s"] * 1e3, 3),
         "e2e_ms": round(m["e2e_s"] * 1e3, 3),

@@ -1,0 +1,219 @@
+"""`ClusterEngine`: the gateway's stand-in for `AsyncEngine`, so the routes run unchanged.
+
+It has the face the routes use (`add_request` returning a stream, `abort`, `tokenizer`,
+`model_info`, `limits`, `stats`, `kv_pool`, `num_in_flight`, `start`/`shutdown`), and behind
+it each request is one streaming call to the engine replicas' deployment handle. The router
+(`router.py`) picks the replica; a `RemoteStream` pumps the replica's deltas into a queue.
+
+Faults: a replica that dies before sending anything is retried on another (nothing was
+streamed, so a second try cannot duplicate output); one that dies mid-stream ends the stream
+with an error delta naming the failure. A stream never waits on a dead replica: Ray fails the
+call when the actor dies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from collections.abc import AsyncIterator
+from dataclasses import fields
+
+from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.serve.handle import DeploymentHandle
+
+from ..engine import EngineLimits, EngineStats, EngineStoppedError, KVPoolStats, ModelInfo
+from ..outputs import RequestDelta
+from ..sampling import SamplingParams
+from ..speculation.modes import SpecMode, parse_speculation
+from ..validation import RequestLimits, check_lengths, check_prompt_ids
+from .replica import EngineFacts, Turn
+from .router import PrefixAffinityRouter
+
+log = logging.getLogger("specserve.cluster")
+
+_REPLICA_GONE = (RayActorError, ActorUnavailableError)
+
+
+class RemoteStream:
+    """One request's deltas from its replica; the same face as `engine.RequestStream`."""
+
+    def __init__(self, engine: ClusterEngine, request_id: str,
+                 prompt_token_ids: list[int]) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
+        self.finished = False
+        self.task: asyncio.Task | None = None
+
+    def __aiter__(self) -> AsyncIterator[RequestDelta]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[RequestDelta]:
+        while not self.finished:
+            delta = await self.queue.get()
+            self.finished = delta.finished
+            yield delta
+
+    def abort(self) -> None:
+        """Cancel the request: the replica's generator is cancelled (its engine frees the
+        blocks) and the stream ends with an `abort` delta. Safe to repeat."""
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+
+
+class ClusterEngine:
+    """The engine face of N replicas (see the module docstring)."""
+
+    def __init__(self, handle: DeploymentHandle, facts: EngineFacts, num_replicas: int,
+                 retries: int = 2) -> None:
+        self.handle = handle.options(stream=True)
+        self.tokenizer = facts.tokenizer
+        self.num_replicas = num_replicas
+        self.retries = retries  # replicas tried after one died before streaming anything
+        self._model_info = facts.model_info
+        one = facts.limits
+        # A request's context is one replica's; the batch slots (admission control's
+        # measure) are every replica's together.
+        self._limits = EngineLimits(one.max_model_len, one.kv_pool_tokens,
+                                    one.max_num_seqs * num_replicas)
+        self._request_limits = RequestLimits.for_context(
+            min(one.max_model_len, one.kv_pool_tokens))
+        self._streams: dict[str, RemoteStream] = {}
+        self._running = False
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._running = True
+
+    async def shutdown(self) -> None:
+        """Abort every request in flight and wait until each stream has ended."""
+        self._running = False
+        tasks = [s.task for s in self._streams.values() if s.task is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    @property
+    def running(self) -> bool:
+        return self._running
+
+    # ---- read-only views ------------------------------------------------------------------
+    @property
+    def model_info(self) -> ModelInfo:
+        return self._model_info
+
+    @property
+    def limits(self) -> EngineLimits:
+        return self._limits
+
+    def replica_reports(self) -> dict[str, dict]:
+        """Each live replica's last report (`EngineReplica.record_routing_stats`), by id;
+        empty until the first request has built the router."""
+        router = PrefixAffinityRouter.current
+        return {} if router is None else {rid: report for rid, report
+                                          in router.replica_reports().items() if report}
+
+    @property
+    def stats(self) -> EngineStats:
+        """Every live replica's counters summed (as of their last reports)."""
+        total = EngineStats()
+        for report in self.replica_reports().values():
+            for f in fields(EngineStats):
+                value = report["stats"][f.name]
+                if isinstance(value, list):
+                    mine = getattr(total, f.name)
+                    mine.extend([0] * (len(value) - len(mine)))
+                    for i, v in enumerate(value):
+                        mine[i] += v
+                else:
+                    setattr(total, f.name, getattr(total, f.name) + value)
+        return total
+
+    def kv_pool(self) -> KVPoolStats:
+        """The replicas' pools together; the hit rate is the replicas' mean (each reports a
+        rate, not its lookups)."""
+        reports = list(self.replica_reports().values())
+        if not reports:
+            return KVPoolStats(0, 0, 0.0)
+        return KVPoolStats(sum(r["num_blocks"] for r in reports),
+                           sum(r["num_free_blocks"] for r in reports),
+                           sum(r["prefix_hit_rate"] for r in reports) / len(reports))
+
+    def parse_speculation(self, value) -> SpecMode:
+        return parse_speculation(value, self._model_info.has_draft)
+
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    # ---- requests -------------------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], params: SamplingParams,
+                    request_id: str | None = None, speculation=None) -> RemoteStream:
+        """Check what the engine would check (ValueError), then stream it from a replica."""
+        if not self._running:
+            raise EngineStoppedError("the engine is not running")
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        check_prompt_ids(ids, self._model_info.vocab_size)
+        check_lengths(len(ids), params.max_tokens, self._request_limits)
+        if speculation is not None:
+            self.parse_speculation(speculation)
+        request_id = request_id if request_id is not None else f"req-{secrets.token_hex(8)}"
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        stream = self._streams[request_id] = RemoteStream(self, request_id, ids)
+        turn = Turn(ids, params, request_id, speculation, _session(request_id))
+        stream.task = asyncio.get_running_loop().create_task(self._pump(stream, turn))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.abort()
+
+    async def _pump(self, stream: RemoteStream, turn: Turn) -> None:
+        """Replica deltas -> the stream's queue, ending with exactly one finished delta."""
+        rid = turn.request_id
+        sent_any, call = False, None
+        try:
+            for attempt in range(self.retries + 1):
+                call = self.handle.generate.remote(turn)
+                try:
+                    async for delta in call:
+                        sent_any = True
+                        self._deliver(stream, delta)
+                    if self._streams.get(rid) is stream:  # no finished delta came
+                        self._deliver(stream, _error(rid, "the replica's stream ended early"))
+                    return
+                except _REPLICA_GONE as exc:
+                    if sent_any or attempt == self.retries:
+                        log.warning("request %s: replica failed: %s", rid, exc)
+                        self._deliver(stream, _error(rid, f"engine replica failed: {exc}"))
+                        return
+                    await asyncio.sleep(0.1 * (attempt + 1))  # Ray drops the dead replica
+        except asyncio.CancelledError:
+            # abort() or shutdown: stop the replica's generator (its engine frees the blocks).
+            if call is not None:
+                call.cancel()
+            self._deliver(stream, RequestDelta(rid, [], "", finish_reason="abort"))
+        except Exception as exc:  # a failure inside the replica, or a bug: never a hang
+            log.exception("request %s failed", rid)
+            self._deliver(stream, _error(rid, f"engine replica error: {exc}"))
+
+    def _deliver(self, stream: RemoteStream, delta: RequestDelta) -> None:
+        if self._streams.get(stream.request_id) is not stream:
+            return  # already finished
+        if delta.finished:
+            del self._streams[stream.request_id]
+        stream.queue.put_nowait(delta)
+
+
+def _error(request_id: str, message: str) -> RequestDelta:
+    return RequestDelta(request_id, [], "", finish_reason="error", error=message)
+
+
+def _session(request_id: str) -> str | None:
+    """The conversation a request belongs to: a WebSocket session names its engine requests
+    `<session id>/<request id>` (ws.py); other requests stand alone."""
+    session, sep, _ = request_id.partition("/")
+    return session if sep else None

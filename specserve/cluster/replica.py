@@ -1,0 +1,93 @@
+"""One engine replica: a Ray Serve deployment that holds one `AsyncEngine` with its own paged
+KV cache and streams each turn's deltas back to the gateway.
+
+A turn crosses the process boundary as a `Turn` (token ids already prepared by the gateway) and
+comes back as the engine's own `RequestDelta`s, through Ray's streaming deployment handles.
+The replica reports its load and KV pool to Ray Serve (`record_routing_stats`), which hands the
+numbers to the gateway's router and `/metrics`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass
+
+from ray import serve
+
+from ..engine import AsyncEngine, EngineLimits, EngineStoppedError, ModelInfo
+from ..outputs import RequestDelta
+from ..sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One engine request, as the gateway sends it to a replica."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    request_id: str
+    speculation: object  # the request's speculation spelling (None: the replica's default)
+    session: str | None  # the conversation whose turns keep to one replica (None: any)
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What the gateway needs of the engine without loading a model: every replica loads the
+    same checkpoint, so any one replica's facts stand for all."""
+
+    model_info: ModelInfo
+    limits: EngineLimits
+    tokenizer: object
+
+
+class EngineReplica:
+    """The deployment class: `serve.deployment(EngineReplica)` in `app.py`."""
+
+    async def __init__(self, engine_options: dict) -> None:
+        # Imported here: the core pulls in torch and the model code, which the gateway never
+        # loads (it only holds a tokenizer).
+        from ..engine.core import EngineCore
+        from ..llm import build_engine_config
+
+        self.engine = AsyncEngine(EngineCore(build_engine_config(**engine_options)))
+        await self.engine.start()
+        self.replica_id = serve.get_replica_context().replica_id.to_full_id_str()
+
+    def facts(self) -> EngineFacts:
+        engine = self.engine
+        return EngineFacts(engine.model_info, engine.limits, engine.tokenizer)
+
+    async def generate(self, turn: Turn) -> AsyncIterator[RequestDelta]:
+        """Stream one turn's deltas; the last one's metrics name this replica as "replica"."""
+        try:
+            stream = self.engine.add_request(turn.prompt_token_ids, turn.params,
+                                             turn.request_id, turn.speculation)
+        except (EngineStoppedError, ValueError) as exc:
+            yield RequestDelta(turn.request_id, [], "", finish_reason="error",
+                               error=f"replica {self.replica_id}: {exc}")
+            return
+        try:
+            async for delta in stream:
+                if delta.finished:
+                    delta.metrics = {**(delta.metrics or {}), "replica": self.replica_id}
+                yield delta
+        finally:
+            # The gateway cancels this generator when its client aborts or goes away: the
+            # engine frees the request's blocks before its next step.
+            stream.abort()
+
+    def record_routing_stats(self) -> dict:
+        """Load and KV numbers for the gateway's /metrics (Ray Serve polls this every
+        `request_routing_stats_period_s` and hands it to the gateway's router)."""
+        engine = self.engine
+        pool = engine.kv_pool()
+        return {"num_in_flight": engine.num_in_flight(),
+                "num_blocks": pool.num_blocks, "num_free_blocks": pool.num_free_blocks,
+                "prefix_hit_rate": pool.prefix_hit_rate, "stats": asdict(engine.stats)}
+
+    def check_health(self) -> None:
+        if not self.engine.running:
+            raise RuntimeError(f"replica {self.replica_id}: the engine is not running")
+
+    async def __del__(self) -> None:
+        await self.engine.shutdown()

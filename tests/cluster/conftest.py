@@ -1,0 +1,49 @@
+"""One local Ray cluster per test module (2 CPUs, no dashboard), serving two replicas of the
+tiny target (itself as the draft, chain:3) behind the gateway on a free port."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray", reason="the cluster extra (ray[serve]) is not installed")
+serve = pytest.importorskip("ray.serve")
+
+from specserve.cluster import ClusterOptions, build_application  # noqa: E402
+
+SPEC = "chain:3"
+NUM_BLOCKS = 64
+NUM_REPLICAS = 2
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Cluster:
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.http = f"http://127.0.0.1:{port}"
+        self.ws = f"ws://127.0.0.1:{port}/v1/ws"
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_target: Path):
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        options = ClusterOptions(
+            engine_options={"target": str(tiny_target), "draft": str(tiny_target),
+                            "speculation": SPEC, "num_blocks": NUM_BLOCKS},
+            num_replicas=NUM_REPLICAS, app_options={"model_name": "tiny"},
+            cpus_per_replica=0.5, stats_period_s=0.2)
+        serve.run(build_application(options), name="specserve", route_prefix="/")
+        yield Cluster(port)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
