@@ -13,7 +13,7 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from ..outputs import RequestDelta
 from ..sampling import SamplingParams
@@ -112,13 +112,29 @@ class AsyncEngine:
         """Validate (ValueError on bad input) and queue a request; returns its stream."""
         if not self.running:
             raise EngineStoppedError("the engine is not running")
-        req = self.core.make_request(prompt, params, request_id, speculation)
+        return self.submit(self.core.make_request(prompt, params, request_id, speculation))
+
+    def submit(self, req: Request) -> RequestStream:
+        """Queue a request made by `core.make_request` (and perhaps marked up, e.g. to hold
+        its KV for a transfer); returns its stream."""
+        stream = self.open_stream(req)
+        self._send(("add", req))
+        return stream
+
+    def open_stream(self, req: Request) -> RequestStream:
+        """The stream a request's deltas will go to, before the engine has the request."""
+        if not self.running:
+            raise EngineStoppedError("the engine is not running")
         if req.request_id in self._streams:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         stream = RequestStream(self, req)
         self._streams[req.request_id] = stream
-        self._send(("add", req))
         return stream
+
+    def call_on_engine(self, fn: Callable[[EngineCore], list[RequestDelta]]) -> None:
+        """Run fn(core) on the engine thread between steps (the core is single-threaded); the
+        deltas it returns go to their streams. Safe from any thread."""
+        self._send(("call", fn))
 
     def abort(self, request_id: str) -> None:
         """Cancel a request; its blocks are freed before the next step. Safe to repeat."""
@@ -175,5 +191,10 @@ class AsyncEngine:
                 except ValueError as exc:
                     deltas.append(RequestDelta(arg.request_id, [], "", finish_reason="error",
                                                error=str(exc)))
+            elif kind == "call":
+                try:
+                    deltas += arg(self.core)
+                except Exception:  # a hook's bug must not stop the engine thread
+                    log.exception("engine call failed")
             elif (delta := self.core.abort(arg)) is not None:
                 deltas.append(delta)

@@ -98,6 +98,10 @@ class Request:
         self.num_cached_blocks = 0  # leading blocks registered in the prefix cache
         self.num_prefix_cached_tokens = 0  # prompt tokens served from the prefix cache
         self.num_preemptions = 0
+        # Disaggregated prefill: on a prefill server, keep the blocks once finished until the
+        # decode server has read them; on a decode server, how long the KV transfer took.
+        self.kv_hold = False
+        self.kv_transfer_ms: float | None = None
 
         self.detokenizer = (IncrementalDetokenizer(tokenizer, prompt_token_ids)
                             if tokenizer else None)
@@ -229,4 +233,6 @@ class Request:
             "queue_s": (self.first_scheduled_time or end) - self.arrival_time,
             "ttft_s": (self.first_token_time or end) - self.arrival_time,
             "e2e_s": end - self.arrival_time,
+            **({"kv_transfer_ms": self.kv_transfer_ms} if self.kv_transfer_ms is not None
+               else {}),
         }

@@ -51,6 +51,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # Disaggregated prefill (specserve.disagg): takes over the blocks of a finished request
+        # marked `kv_hold` instead of their being freed; it frees them once they are read.
+        self.hold_kv: Callable[[Request], None] | None = None
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -84,13 +87,14 @@ class Scheduler:
         while (self.waiting and not out.preempted and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[0]
-            num_new = self._admit(req, budget)
+            num_new, spec = (self._admit_with_kv(req, budget) if req.block_table
+                             else (self._admit(req, budget), 0))
             if num_new == 0:
                 break
             self.waiting.popleft()
             self.running.append(req)
-            out.scheduled.append(ScheduledRequest(req, num_new, 0))
-            budget -= num_new
+            out.scheduled.append(ScheduledRequest(req, num_new, spec))
+            budget -= num_new + spec
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         return out
 
@@ -136,6 +140,23 @@ class Scheduler:
         req.status = RequestStatus.RUNNING
         return num_new
 
+    def _admit_with_kv(self, req: Request, budget: int) -> tuple[int, int]:
+        """Admit a request that arrived with its prompt's KV in its blocks (a disaggregated
+        prefill): only the tokens past it are computed, and it may speculate at once.
+        Returns (tokens to compute, spec slots); (0, 0) when its blocks cannot grow."""
+        num_new = min(req.num_uncomputed, budget)
+        spec = 0
+        if req.is_decoding:
+            room = self.config.max_model_len - req.num_tokens
+            spec = max(0, min(self.spec_slots(req), budget - num_new, room))
+        needed = self._blocks_for(req.num_computed_tokens + num_new + spec) - len(req.block_table)
+        if not self.blocks.can_allocate(needed):
+            return 0, 0
+        if needed > 0:
+            req.block_table += self.blocks.allocate(needed)
+        req.status = RequestStatus.RUNNING
+        return num_new, spec
+
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.blocks.free_blocks(req.block_table)
@@ -171,5 +192,8 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.blocks.free_blocks(req.block_table)
+        if req.kv_hold and req.is_finished and self.hold_kv is not None:
+            self.hold_kv(req)  # a prefill-only request: its KV waits for the decode side
+        else:
+            self.blocks.free_blocks(req.block_table)
         req.block_table = []

@@ -279,3 +279,26 @@ class ModelRunner:
         """slots [2n] int64: the n source slots, then the n destination slots."""
         src, dst = slots.to(self.device).chunk(2)
         copy_kv_slots(self.kv_cache, src, dst)
+
+    # ---- KV by block (disaggregated prefill: specserve.disagg) ----------------------------
+    def read_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """A host copy of the blocks' KV, every layer: [L, 2, n, block_size, Hkv, D]."""
+        self._check_whole("read")
+        index = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+        return self.kv_cache.index_select(2, index).cpu()
+
+    def write_blocks(self, block_ids: Sequence[int], kv: torch.Tensor) -> None:
+        """Write kv [L, 2, n, block_size, Hkv, D] (`read_blocks`' layout) into the blocks."""
+        self._check_whole("write")
+        L, two, _, bs, hkv, d = self.kv_cache.shape
+        expected = (L, two, len(block_ids), bs, hkv, d)
+        if tuple(kv.shape) != expected or kv.dtype != self.dtype:
+            raise ValueError(f"KV of shape {tuple(kv.shape)} {kv.dtype} does not fit this "
+                             f"cache's {len(block_ids)} blocks: {expected} {self.dtype}")
+        index = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+        self.kv_cache.index_copy_(2, index, kv.to(self.device))
+
+    def _check_whole(self, what: str) -> None:
+        # A split model's other ranks hold the other heads; moving them is not built yet.
+        if self.drives_workers:
+            raise NotImplementedError(f"cannot {what} KV blocks of a tensor-parallel model")
