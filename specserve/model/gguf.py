@@ -1,9 +1,15 @@
 """Read a llama.cpp GGUF file into the project's checkpoint vocabulary.
 
 `read_gguf(path)` returns a `GGUFCheckpoint`: a transformers config and `ArchSpec` built from the
-file's metadata (architectures `llama` and `qwen2`), the tokenizer's metadata, and every tensor
-as a `GGUFTensor` keyed by its Hugging Face parameter name (`model.layers.0.self_attn.q_proj
-.weight`, ...), so `loader.py` routes them exactly as it routes safetensors.
+file's metadata (architectures `llama`, `qwen2`, `qwen3` and `gemma3`), the tokenizer's
+metadata, and every tensor as a `GGUFTensor` keyed by its Hugging Face parameter name
+(`model.layers.0.self_attn.q_proj.weight`, ...), so `loader.py` routes them exactly as it routes
+safetensors.
+
+Block types the kernels do not run (k-quants, Q5_0, Q5_1) are converted while reading into the
+nearest one they do (gguf_convert.py); `read_gguf(path, convert=False)` keeps the file's own
+types, for a reference dequantized from them. Gemma 3's norm weights are read as stored:
+llama.cpp's converter stores 1 + w, the multiplier our RMSNorm applies.
 
 A `GGUFTensor` keeps the file's own blocks (`raw`, uint8 `[rows, bytes_per_row]`, rows = output
 features as in Hugging Face) so a quantized runtime can use them as they are; `dequantize`
@@ -35,12 +41,15 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize as gguf_dequantize
 
 from .architectures import ArchSpec
+from .gguf_convert import CONVERSIONS, convert
 
-SUPPORTED_TYPES = frozenset({
+NATIVE_TYPES = frozenset({
     GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16,
     GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1,
 })
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+SUPPORTED_TYPES = NATIVE_TYPES | frozenset(CONVERSIONS)
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                  "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 # llama.cpp's converter permutes q/k rows only for these architectures.
 _PERMUTED_ARCHITECTURES = frozenset({"llama"})
 
@@ -60,7 +69,20 @@ _BLOCK_MODULES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
+# Gemma 3 names its four block norms after their place; its ffn_norm is the norm before the MLP.
+_GEMMA3_BLOCK_MODULES = {
+    **_BLOCK_MODULES,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+# llama.cpp's Gemma 3 defaults where the file's metadata has no value: one global layer in 6,
+# a rotary base of 10000 on the sliding layers.
+_GEMMA3_SLIDING_PATTERN = 6
+_GEMMA3_LOCAL_ROPE_BASE = 10000.0
 # Metadata arrays longer than this (the tokenizer's vocabulary, merges, scores) stay out of the
 # index: the tokenizer is built from the file itself, once (load_gguf_tokenizer).
 _MAX_INDEXED_ITEMS = 1024
@@ -83,6 +105,7 @@ class GGUFTensor:
     ggml_type: GGMLQuantizationType
     shape: tuple[int, ...]
     raw: np.ndarray
+    file_type: GGMLQuantizationType | None = None  # the file's own type, when converted
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The tensor's values as `dtype`, shape `self.shape`."""
@@ -120,8 +143,9 @@ class GGUFCheckpoint:
         return max(set(types), key=types.count) if types else "F32"
 
 
-def read_gguf(path: str | Path) -> GGUFCheckpoint:
-    """Parse `path`: metadata into a config, tensors into `GGUFTensor`s (memory-mapped).
+def read_gguf(path: str | Path, convert: bool = True) -> GGUFCheckpoint:
+    """Parse `path`: metadata into a config, tensors into `GGUFTensor`s (memory-mapped; a type
+    the kernels do not run converted into one they do, unless `convert` is False).
 
     `GGUFReader` parses every metadata value in Python, the tokenizer's ~100k strings included
     (~5 s for SmolLM2, far longer on a busy machine), so what this loader needs from it (the
@@ -137,7 +161,7 @@ def read_gguf(path: str | Path) -> GGUFCheckpoint:
     except (OSError, ValueError):
         index = _build_index(path)
         _write_atomically(index_file, json.dumps(index))
-    return _checkpoint(path, index)
+    return _checkpoint(path, index, convert)
 
 
 def _build_index(path: Path) -> dict:
@@ -163,7 +187,7 @@ def _plain(value):
     return value
 
 
-def _checkpoint(path: Path, index: dict) -> GGUFCheckpoint:
+def _checkpoint(path: Path, index: dict, convert: bool) -> GGUFCheckpoint:
     meta = index["metadata"]
     arch = meta.get("general.architecture")
     if arch not in _ARCHITECTURES:
@@ -172,7 +196,7 @@ def _checkpoint(path: Path, index: dict) -> GGUFCheckpoint:
     data = np.memmap(path, dtype=np.uint8, mode="r")
     tensors = {}
     for entry in index["tensors"]:
-        tensor = _tensor(path, arch, entry, data, meta)
+        tensor = _tensor(path, arch, entry, data, meta, convert)
         tensors[tensor.name] = tensor
     config = _hf_config(path, arch, meta, tensors)
     tokenizer = GGUFTokenizerInfo(
@@ -190,24 +214,26 @@ def _checkpoint(path: Path, index: dict) -> GGUFCheckpoint:
     return GGUFCheckpoint(path, arch, config, spec, tokenizer, tensors)
 
 
-def _hf_name(path: Path, gguf_name: str) -> str:
+def _hf_name(path: Path, arch: str, gguf_name: str) -> str:
     if gguf_name in _TOP_LEVEL:
         return _TOP_LEVEL[gguf_name]
+    modules = _GEMMA3_BLOCK_MODULES if arch == "gemma3" else _BLOCK_MODULES
     m = _BLOCK.match(gguf_name)
-    if m is None or m.group(2) not in _BLOCK_MODULES:
-        raise GGUFError(f"{path}: unsupported tensor {gguf_name!r} (not part of a llama/qwen2 "
-                        f"decoder this loader knows)")
+    if m is None or m.group(2) not in modules:
+        raise GGUFError(f"{path}: unsupported tensor {gguf_name!r} (not part of a "
+                        f"{'/'.join(_ARCHITECTURES)} decoder this loader knows)")
     layer, module, kind = m.groups()
-    return f"model.layers.{layer}.{_BLOCK_MODULES[module]}.{kind}"
+    return f"model.layers.{layer}.{modules[module]}.{kind}"
 
 
-def _tensor(path: Path, arch: str, entry: dict, data: np.ndarray, meta: dict) -> GGUFTensor:
+def _tensor(path: Path, arch: str, entry: dict, data: np.ndarray, meta: dict,
+            convert_blocks: bool) -> GGUFTensor:
     qtype = GGMLQuantizationType(entry["type"])
     gguf_name = entry["name"]
     if qtype not in SUPPORTED_TYPES:
         raise GGUFError(f"{path}: tensor {gguf_name!r} has type {qtype.name}; supported types: "
                         f"{', '.join(sorted(q.name for q in SUPPORTED_TYPES))}")
-    name = _hf_name(path, gguf_name)
+    name = _hf_name(path, arch, gguf_name)
     dims = entry["dims"]  # GGUF order: fastest-varying (input features) first
     if len(dims) not in (1, 2):
         raise GGUFError(f"{path}: tensor {gguf_name!r} has {len(dims)} dimensions; expected 1 "
@@ -230,6 +256,9 @@ def _tensor(path: Path, arch: str, entry: dict, data: np.ndarray, meta: dict) ->
         if "k_proj" in name:  # k is permuted per KV head
             heads = meta.get(f"{arch}.attention.head_count_kv", heads)
         raw = _unpermute_rows(raw, shape, qtype, heads)
+    if convert_blocks and qtype in CONVERSIONS:
+        converted, native = convert(raw, qtype)
+        return GGUFTensor(name, native, shape, converted, file_type=qtype)
     return GGUFTensor(name, qtype, shape, raw)
 
 
@@ -254,7 +283,7 @@ def _unpermute_rows(raw: np.ndarray, shape: tuple[int, ...], qtype: GGMLQuantiza
 
 
 def _hf_config(path: Path, arch: str, meta: dict, tensors: dict[str, GGUFTensor]):
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import Gemma3TextConfig, LlamaConfig, Qwen2Config, Qwen3Config
 
     def get(key: str, default=None):
         return meta.get(f"{arch}.{key}", default)
@@ -273,7 +302,12 @@ def _hf_config(path: Path, arch: str, meta: dict, tensors: dict[str, GGUFTensor]
         rope.update(rope_type="linear", factor=float(get("rope.scaling.factor")))
     elif scaling != "none":
         raise GGUFError(f"{path}: rope scaling {scaling!r} is not supported")
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[arch]
+    extra = {}
+    if arch == "gemma3":
+        extra = _gemma3_config(path, meta, get("block_count"), rope)
+        rope = extra.pop("rope_parameters")
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
+           "gemma3": Gemma3TextConfig}[arch]
     return cls(
         architectures=[_ARCHITECTURES[arch]],
         vocab_size=embed.shape[0],
@@ -291,7 +325,37 @@ def _hf_config(path: Path, arch: str, meta: dict, tensors: dict[str, GGUFTensor]
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
         pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
+        **extra,
     )
+
+
+def _gemma3_config(path: Path, meta: dict, layers: int, rope: dict) -> dict:
+    """Gemma 3's settings beyond the common ones, as llama.cpp reads them: the sliding window
+    and its pattern, the local rotary base, the attention scale (head_dim, except the 27B
+    model's hidden / heads, which llama.cpp picks by its 62 layers), final soft-capping."""
+    def get(key: str, default=None):
+        return meta.get(f"gemma3.{key}", default)
+
+    heads, hidden = get("attention.head_count"), get("embedding_length")
+    head_dim = get("attention.key_length", hidden // heads)
+    pattern = get("attention.sliding_window_pattern", _GEMMA3_SLIDING_PATTERN)
+    if isinstance(pattern, list):  # one flag per layer: True = sliding
+        if len(pattern) != layers:
+            raise GGUFError(f"{path}: gemma3.attention.sliding_window_pattern has "
+                            f"{len(pattern)} flags for {layers} layers")
+        sliding = [bool(p) for p in pattern]
+    else:
+        sliding = [bool((i + 1) % int(pattern)) for i in range(layers)]
+    local = {"rope_type": "default",
+             "rope_theta": float(meta.get("gemma3.rope.freq_base_swa", _GEMMA3_LOCAL_ROPE_BASE))}
+    return {
+        "sliding_window": get("attention.sliding_window"),
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+        "rope_parameters": {"full_attention": rope, "sliding_attention": local},
+        "query_pre_attn_scalar": hidden // heads if layers == 62 else head_dim,
+        "final_logit_softcapping": get("final_logit_softcapping"),
+        "hidden_activation": "gelu_pytorch_tanh",
+    }
 
 
 def cache_dir() -> Path:

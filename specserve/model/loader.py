@@ -2,8 +2,9 @@
 
 A folder: reads `config.json` and either `model.safetensors` or a sharded
 `model.safetensors.index.json`. A `.gguf` file: `gguf.read_gguf` gives the config and the
-tensors under their Hugging Face names, dequantized here to the model's dtype, except the
-Q8_0 / Q4_0 / Q4_1 projections, which keep the file's blocks (`quant.use_file_blocks`).
+tensors under their Hugging Face names (k-quants, Q5_0 and Q5_1 converted into Q8_0 / Q4_1:
+gguf_convert.py), dequantized here to the model's dtype, except the Q8_0 / Q4_0 / Q4_1
+projections, which keep the file's (or the converted) blocks (`quant.use_file_blocks`).
 Each checkpoint tensor is routed to the parameter that owns it together with a shard id (q/k/v
 and gate/up are fused here), and that parameter's `weight_loader` reads its tensor-parallel
 slice from the file (a lazy safetensors slice: a rank reads only its own part). Every failure
@@ -232,6 +233,25 @@ def _load_gguf(path: Path, dtype: str | torch.dtype, device: str | torch.device,
     else:
         quantize_model(model, quantization)
     return model.to(device).eval()
+
+
+def load_gguf_dequantized(path: str | Path, dtype: str | torch.dtype = "float32") -> DecoderLM:
+    """A GGUF file's model with every tensor dequantized from the file's own blocks (no
+    conversion, no quantized kernels): the reference the quantized runtime is measured
+    against (tests, benchmarks)."""
+    from .gguf import GGUFError, read_gguf
+
+    path = Path(path)
+    try:
+        ckpt = read_gguf(path, convert=False)
+    except GGUFError as exc:
+        raise CheckpointError(str(exc)) from exc
+    torch_dtype = resolve_dtype(dtype, ckpt.config)
+    model = DecoderLM(ckpt.spec, torch_dtype)
+    tensors = ((path, name, lambda t=t: t.dequantize(torch_dtype))
+               for name, t in sorted(ckpt.tensors.items()))
+    _check_complete(model, _fill(model, tensors), path)
+    return model.eval()
 
 
 def _check_quantized_split(spec: ArchSpec, shard: TPShard) -> None:
