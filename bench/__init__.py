@@ -1,1 +1,1 @@
-"""Benchmarks, run from the repository root as `python -m bench.<name>`."""
+"""Benchmarks, run from the repository root as `python -m bench SUBCOMMAND` (see __main__.py)."""

@@ -1,9 +1,9 @@
 """Continuous batching: N requests submitted together vs the same N run one after another.
 
-    python -m bench.batching                        # demo target alone, speculation off
-    python -m bench.batching --concurrency 1 4 16 32 --max-tokens 64 --repeats 1
-    python -m bench.batching --speculation tree     # demo target + demo draft
-    python -m bench.batching --target DIR [--draft DIR] [--json]
+    python -m bench throughput                      # demo target alone, speculation off
+    python -m bench throughput --concurrency 1 4 16 32 --max-tokens 64 --repeats 1
+    python -m bench throughput --speculation tree   # demo target + demo draft
+    python -m bench throughput --target DIR [--draft DIR] [--json]
 
 For each N, the first N prompts of one fixed list run twice on one engine:
 
@@ -211,7 +211,7 @@ def format_rows(rows: list[Row]) -> str:
     return "\n".join(lines + ["concurrent runs, where the step time goes:"] + breakdown)
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m bench.batching") -> None:
+def main(argv: list[str] | None = None, prog: str = "python -m bench throughput") -> None:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     parser.add_argument("--target", type=Path, help="target model folder (default: demo target)")
     parser.add_argument("--draft", type=Path,
@@ -260,7 +260,3 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench.batching") 
     print(f"prompt lengths {min(lengths)}-{max(lengths)} tokens "
           f"(mean {statistics.mean(lengths):.0f}); N requests = the first N of {len(lengths)}")
     print(format_rows(rows))
-
-
-if __name__ == "__main__":
-    main()

@@ -1,8 +1,9 @@
 """specserve against Hugging Face transformers on one model pair: same prompts, same outputs.
 
-    python -m bench.compare                       # demo and widened pairs, 4 prompts, 2 rounds
-    python -m bench.compare --pairs widened --prompts 4 --max-tokens 64 --rounds 3 --json out.json
-    python -m bench.compare --modes off,chain:4,tree --no-transformers
+    python -m bench latency                       # demo and widened pairs, 4 prompts, 2 rounds
+    python -m bench latency --pairs widened --prompts 4 --max-tokens 64 --rounds 3 --json out.json
+    python -m bench latency --modes off,chain:4,tree --no-transformers
+    python -m bench.compare ...                   # the same runner, under its module's name
 
 Rows, all greedy at batch 1 (one request at a time) on the same prompts:
 
@@ -59,7 +60,16 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.generation.streamers import BaseStreamer
 
-from bench.options import DTYPES, add_common_args, environment, log, setup, write_json
+from bench.options import (
+    DEFAULT_MODE,
+    DTYPES,
+    add_common_args,
+    add_modes,
+    environment,
+    log,
+    setup,
+    write_json,
+)
 from bench.roofline import measure_read_bandwidth, roofline_fraction, weight_bytes
 from specserve import LLM, SamplingParams
 from specserve.draft_models.evaluate import chat_prompt_ids
@@ -128,15 +138,17 @@ def chat_prompts(tokenizer, questions: Sequence[str]) -> list[list[int]]:
 
 
 # ---- runners --------------------------------------------------------------------------------
-def specserve_runner(llm, mode: str, max_tokens: int, ignore_eos: bool = False) -> Runner:
-    """Runs one prompt alone through ``llm`` with speculation ``mode``."""
+def specserve_runner(llm, mode: str | None, max_tokens: int, ignore_eos: bool = False) -> Runner:
+    """Runs one prompt alone through ``llm`` with speculation ``mode`` (``"default"`` or None:
+    the engine's own choice for the loaded pair, which ``generate`` takes as None)."""
+    speculation = None if mode == DEFAULT_MODE else mode
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
     stats = llm.engine.stats
 
     def run(prompt: list[int]) -> Sample:
         before = [getattr(stats, f"{s}_time_s") for s in STAGES]
         start = time.perf_counter()
-        out = llm.generate([prompt], params, speculation=mode)[0]
+        out = llm.generate([prompt], params, speculation=speculation)[0]
         e2e = time.perf_counter() - start
         stage_s = {s: getattr(stats, f"{s}_time_s") - b for s, b in zip(STAGES, before)}
         return Sample(list(out.token_ids), e2e, out.metrics["ttft_s"],
@@ -459,7 +471,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench.compare") -
     parser = argparse.ArgumentParser(prog=prog, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pairs", default="demo,widened", help="comma list of demo, widened")
-    parser.add_argument("--modes", default=",".join(SPEC_MODES), help="specserve rows")
+    add_modes(parser, ",".join(SPEC_MODES))
     parser.add_argument("--no-transformers", action="store_true", help="skip the HF rows")
     add_common_args(parser)
     args = parser.parse_args(argv)

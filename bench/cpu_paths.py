@@ -1,15 +1,15 @@
 """specserve's CPU kernel paths beside llama.cpp on the widened pair, in one run.
 
-    python -m bench.cpu_paths                       # every path this CPU runs, llama.cpp if built
-    python -m bench.cpu_paths --isas avx2,torch --prompts 4 --max-tokens 64 --rounds 2
+    python -m bench peer                            # every path this CPU runs, llama.cpp if built
+    python -m bench peer --isas avx2,torch --prompts 4 --max-tokens 64 --rounds 2
 
 Rows, batch 1, greedy, the widened target (bf16) with the demo draft, `--threads` threads:
 
 - ``<isa> <mode>``: specserve with ``SPECSERVE_CPU_ISA=<isa>`` (amx, avx512, avx2, portable: the
   C kernels built for that instruction set; torch: no C kernels), one ``LLM`` per path, for
-  speculation off, chain:2, chain:4 and the default (adaptive on CPU). Within a path every
-  mode's token ids must equal off's before anything is timed (greedy speculation is exact, and
-  the C kernels are row-count invariant).
+  each of ``--modes`` (off, chain:2, chain:4 and the default, adaptive on CPU, unless told).
+  Within a path every mode's token ids must equal the first mode's before anything is timed
+  (greedy speculation is exact, and the C kernels are row-count invariant).
 - ``llama.cpp bf16``: ``llama-completion`` on a bf16 GGUF of the same target; ``llama.cpp bf16
   + draft``: ``llama-speculative`` with the draft's bf16 GGUF (its default of up to 3 draft
   tokens). Made once by ``llamacpp-peer convert`` (``--peer``, default
@@ -56,7 +56,16 @@ from bench.compare import (
     load_pair,
     specserve_runner,
 )
-from bench.options import add_common_args, add_isas, environment, log, setup, write_json
+from bench.options import (
+    DEFAULT_MODE,
+    add_common_args,
+    add_isas,
+    add_modes,
+    environment,
+    log,
+    setup,
+    write_json,
+)
 from specserve import LLM, SamplingParams
 from specserve.kernels import cpu_build, cpu_linear
 from specserve.model.loader import load_tokenizer
@@ -64,7 +73,6 @@ from specserve.model.runner import ModelRunner, Segment
 
 # The peer build script, beside the repository (override with --peer).
 PEER = Path(__file__).resolve().parents[2] / "shared" / "tools" / "llamacpp-peer"
-MODES = ("off", "chain:2", "chain:4", None)  # None: the default speculation
 EVAL_TIME = re.compile(r"(?<!prompt )\beval time =\s*([\d.]+) ms /\s*(\d+) runs")
 SPEC_DECODED = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds")
 LLAMA_BF16, LLAMA_DRAFT = "llama.cpp bf16", "llama.cpp bf16 + draft"
@@ -295,10 +303,11 @@ def format_report(rows: list[Row], verify: dict, ttft: dict, bench: dict[int, fl
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m bench.cpu_paths") -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m bench peer") -> int:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_isas(parser, ",".join([*cpu_build.supported_isas(), "torch"]))
+    add_modes(parser, f"off,chain:2,chain:4,{DEFAULT_MODE}")
     parser.add_argument("--repeats", type=int, default=5, help="verify and TTFT repeats")
     parser.add_argument("--prompt-tokens", type=int, default=512, help="TTFT prompt length")
     parser.add_argument("--gguf-dir", type=Path,
@@ -321,8 +330,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench.cpu_paths")
     for isa in isas:
         use_isa(isa)
         llms[isa] = LLM(pair.target, pair.draft)
-        for mode in MODES:
-            name = f"{isa} {mode or 'default'}"
+        for mode in args.modes.split(","):
+            name = f"{isa} {mode}"
             runners[name] = on_isa(isa, specserve_runner(llms[isa], mode, args.max_tokens,
                                                          args.ignore_eos))
             groups.setdefault(isa, []).append(name)
@@ -355,7 +364,3 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench.cpu_paths")
         "verify_s": {k: list(v) for k, v in verify.items()}, "ttft_s": ttft,
         "llama_bench_tok_s": bench, "prefill_gflops": products})
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,7 +1,7 @@
 """Batch-1 greedy decode speed: specserve (speculation off) against transformers `generate`.
 
-    python -m bench.decode                        # Qwen2.5-0.5B shape, random init, bf16
-    python -m bench.decode --threads 1 --new-tokens 32 --repeats 2 --json
+    python -m bench decode                        # Qwen2.5-0.5B shape, random init, bf16
+    python -m bench decode --threads 1 --new-tokens 32 --repeats 2 --json
 
 The model is a random-init `Qwen2ForCausalLM` shaped like Qwen2.5-0.5B (hidden 896, 24 layers,
 14 query / 2 KV heads, MLP 4864, vocabulary 151936, tied embeddings, RoPE base 1e6), saved once
@@ -351,7 +351,7 @@ def format_result(res: DecodeResult) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m bench.decode") -> None:
+def main(argv: list[str] | None = None, prog: str = "python -m bench decode") -> None:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     parser.add_argument("--model-dir", type=Path, default=None,
                         help="model folder (default: the random Qwen2.5-0.5B-shaped one, "
@@ -375,7 +375,3 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench.decode") ->
         write_json(args, res.to_json())
     else:
         print(format_result(res))
-
-
-if __name__ == "__main__":
-    main()

@@ -1,7 +1,7 @@
 """Attack a real `specserve serve` process with bad input and abusive clients; print a table.
 
-    python -m bench.hardening                 # tiny random model (the default)
-    python -m bench.hardening --target DIR --draft DIR
+    python -m bench hardening                 # tiny random model (the default)
+    python -m bench hardening --target DIR --draft DIR
 
 Each row: what was tried, how many times, what the server answered, what was lost afterwards
 (KV blocks not back, file descriptors or requests left over, once the server is idle again),
@@ -263,7 +263,7 @@ def sigterm(srv: Served) -> tuple[collections.Counter, int]:
                                for r in results), code
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m bench.hardening") -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m bench hardening") -> int:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     parser.add_argument("--target", help="target model folder (default: a tiny random model)")
     parser.add_argument("--draft")
@@ -312,7 +312,3 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench.hardening")
                 srv.proc.kill()
             srv.log.close()
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """Kernel benchmark: paged decode bandwidth and tree-verify cost, against dense SDPA.
 
-    python -m bench.kernels
+    python -m bench gpu-kernels
 
 Two tables, each row timed for `specserve.kernels.paged_attention` (Triton, paged KV) and for
 `torch.nn.functional.scaled_dot_product_attention` on the same numbers gathered into dense
@@ -19,7 +19,6 @@ Outputs are checked against SDPA before timing. Needs CUDA: without it, says so 
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -160,17 +159,13 @@ def bench_tree(device: str) -> None:
             torch.cuda.empty_cache()
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m bench.kernels") -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m bench gpu-kernels") -> int:
     # No options: the cases are fixed; parsing still answers --help.
     argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0]).parse_args(argv)
     if not torch.cuda.is_available():
-        print("bench.kernels needs a CUDA GPU (none found); nothing to measure.")
+        print(f"{prog} needs a CUDA GPU (none found); nothing to measure.")
         return 0
     print(f"device: {torch.cuda.get_device_name()}")
     bench_decode("cuda")
     bench_tree("cuda")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -2,7 +2,7 @@
 
     specserve serve &                                  # the demo pair on :8000
     pip install "lm-eval[api]"                         # not a specserve dependency
-    python -m bench.lm_eval_stdlib --base-url http://127.0.0.1:8000 [--batch-size 8] [--limit 40]
+    python -m bench lm-eval --base-url http://127.0.0.1:8000 [--batch-size 8] [--limit 40]
 
 The harness's own tasks download their datasets from the Hugging Face hub; this one is built
 here, offline, from the running interpreter's standard library (the demo pair's domain): for each
@@ -82,7 +82,7 @@ def write_task(folder: Path, docs: list[dict]) -> None:
         "metric_list:\n  - metric: acc\n  - metric: acc_norm\n")
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m bench.lm_eval_stdlib") -> None:
+def main(argv: list[str] | None = None, prog: str = "python -m bench lm-eval") -> None:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     parser.add_argument("--base-url", default="http://127.0.0.1:8000")
     parser.add_argument("--model", help="model id (default: the server's only one)")
@@ -116,7 +116,3 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench.lm_eval_std
           f"batch size {args.batch_size}")
     print(f"acc {metrics['acc,none']:.3f} +- {metrics['acc_stderr,none']:.3f}, acc_norm "
           f"(per byte) {metrics['acc_norm,none']:.3f} (chance 0.25), wall {wall:.1f} s")
-
-
-if __name__ == "__main__":
-    main()

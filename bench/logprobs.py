@@ -1,9 +1,9 @@
 """What log-probabilities cost: output tokens/s with and without them, side by side.
 
-    python -m bench.logprobs                                  # demo pair, default speculation
-    python -m bench.logprobs --batch 1 16 --max-tokens 64 --repeats 3
-    python -m bench.logprobs --speculation off --top 0 5 20
-    python -m bench.logprobs --target DIR [--draft DIR] [--json]
+    python -m bench logprobs                                  # demo pair, default speculation
+    python -m bench logprobs --batch 1 16 --max-tokens 64 --repeats 3
+    python -m bench logprobs --speculation off --top 0 5 20
+    python -m bench logprobs --target DIR [--draft DIR] [--json]
 
 For each batch size N, the first N prompts of `bench.batching`'s demo-domain set run greedy
 (`ignore_eos`, fixed output length) on one engine, once per variant: no logprobs, then
@@ -32,7 +32,7 @@ def _run(llm, prompts, params) -> tuple[float, list[list[int]]]:
     return time.perf_counter() - start, [o.token_ids for o in outs]
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m bench.logprobs") -> None:
+def main(argv: list[str] | None = None, prog: str = "python -m bench logprobs") -> None:
     from specserve import LLM, SamplingParams
 
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
@@ -114,7 +114,3 @@ def _decode_row(r: dict) -> str:
 def _scoring_row(r: dict) -> str:
     return (f"{r['batch']:>5} {r['prompt_tokens']:>6} {r['prompt_tok_s']:>9.1f} "
             f"{r['prompt_tok_s_with_prompt_logprobs']:>10.1f} {r['ratio']:>6.3f}")
-
-
-if __name__ == "__main__":
-    main()

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+DEFAULT_MODE = "default"  # a --modes entry: the engine's own choice for the loaded pair
 STDOUT = "-"
 
 
@@ -80,6 +81,13 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
 def add_threads(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=usable_cores(),
                         help="torch threads (default: every core this process may use)")
+
+
+def add_modes(parser: argparse.ArgumentParser, default: str) -> None:
+    parser.add_argument("--modes", default=default,
+                        help="comma list of speculation spellings (off, chain:K, tree[:N], "
+                             f"static:NAME, ngram:K, adaptive; {DEFAULT_MODE}: the engine's own "
+                             "choice); the first is the baseline")
 
 
 def add_isas(parser: argparse.ArgumentParser, default: str) -> None:

@@ -1,7 +1,7 @@
 """The few-row bf16 products alone, this tree's kernels against another revision's, in one run.
 
-    python -m bench.products                                  # this tree, the selected path
-    python -m bench.products --against HEAD~3 --isas avx2,avx512 --rows 1,3,5,8
+    python -m bench kernels                                   # this tree, the selected path
+    python -m bench kernels --against HEAD~3 --isas avx2,avx512 --rows 1,3,5,8
 
 What a decode or verify step spends most of its time in, without the rest of the forward: the
 widened target's 96 layer products (its real weights, in 2 MiB pages as specserve loads them)
@@ -77,7 +77,7 @@ def product(lib, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, threads: int
         raise MemoryError("gemv_bf16 could not allocate its activation buffer")
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m bench.products") -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m bench kernels") -> int:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--against", metavar="REV", help="also time this git revision's kernels")
@@ -160,7 +160,3 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench.products") 
                 cells.append(f"{1e3 * memory:.2f} | {memory / one:.2f}x | {flops / 1e9:.0f}")
             print(f"| {isa} | {tree} | " + " | ".join(cells) + " |")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,8 +1,8 @@
 """Weight-only quantization: decode speed beside bf16 and llama.cpp, and what it costs in quality.
 
-    python -m bench.quant                              # speed (widened pair) and quality (demo)
-    python -m bench.quant --skip-quality --prompts 4 --rounds 2
-    python -m bench.quant --skip-speed
+    python -m bench quant                              # speed (widened pair) and quality (demo)
+    python -m bench quant --skip-quality --prompts 4 --rounds 2
+    python -m bench quant --skip-speed
 
 Speed, batch 1, greedy, on the widened pair (bench/RESULTS.md: the demo target grown to a
 0.5B-like shape, bandwidth-bound): specserve with the target (and draft) in bf16, int8 and int4,
@@ -53,7 +53,15 @@ from bench.compare import (
     specserve_runner,
 )
 from bench.cpu_paths import PEER, llamacpp_runner, measure_decode, peer_bin
-from bench.options import add_common_args, environment, log, setup, write_json
+from bench.options import (
+    DEFAULT_MODE,
+    add_common_args,
+    add_modes,
+    environment,
+    log,
+    setup,
+    write_json,
+)
 from bench.roofline import measure_read_bandwidth
 from specserve import LLM, SamplingParams
 from specserve.llm import demo_pair
@@ -72,8 +80,8 @@ def measure_speed(args, prompts: list[list[int]], pair, ggufs: dict[str, Path]) 
     runners, groups = {}, {}
     for q in QUANTIZATIONS:
         llm = LLM(pair.target, pair.draft, quantization=_quantization(q))
-        for mode in ("off", None):
-            name = f"specserve {q} {mode or 'default'}"
+        for mode in args.modes.split(","):
+            name = f"specserve {q} {mode}"
             runners[name] = specserve_runner(llm, mode, args.max_tokens, args.ignore_eos)
             groups.setdefault(q, []).append(name)
     if ggufs:
@@ -292,10 +300,11 @@ def format_quality(quality: dict) -> str:
 
 
 # ---- CLI ------------------------------------------------------------------------------------
-def main(argv: list[str] | None = None, prog: str = "python -m bench.quant") -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m bench quant") -> int:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(parser)
+    add_modes(parser, f"off,{DEFAULT_MODE}")
     parser.add_argument("--skip-speed", action="store_true")
     parser.add_argument("--skip-quality", action="store_true")
     parser.add_argument("--skip-kernels", action="store_true")
@@ -396,7 +405,3 @@ def requantize_projections(source: Path, dest: Path) -> None:
     for _, data, _ in tensors:
         writer.write_tensor_data(data)
     writer.close()
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

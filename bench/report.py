@@ -104,7 +104,3 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench report") ->
                  plot_few_rows(results["few_rows"], args.out)):
         print(path)
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,7 +1,7 @@
 """Soak: mixed load with abrupt disconnects for N minutes; the server must end where it began.
 
-    python -m bench.soak --minutes 10                       # tiny random model (the default)
-    python -m bench.soak --minutes 10 --target DIR --draft DIR
+    python -m bench soak --minutes 10                       # tiny random model (the default)
+    python -m bench soak --minutes 10 --target DIR --draft DIR
 
 The server (the app and uvicorn settings `specserve serve` uses) runs on a thread of this
 process, so its own counters can be read directly. `--clients` workers each loop over a mix:
@@ -21,7 +21,6 @@ import asyncio
 import collections
 import os
 import random
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -222,7 +221,7 @@ async def warm_up(port: int) -> None:
         await http_request(client, port, random.Random(0), 4, False, False)
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m bench.soak") -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m bench soak") -> int:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     parser.add_argument("--target", help="target model folder (default: a tiny random model)")
     parser.add_argument("--draft")
@@ -287,7 +286,3 @@ def report(args, before, after, outcomes, latencies, rss) -> int:
         return 1
     print("OK: blocks, fds, tasks and requests back at baseline; every outcome expected")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

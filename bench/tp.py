@@ -1,8 +1,8 @@
 """Tensor parallelism: tp=1 against tp=N on one machine, batch 1, greedy, and the cost of the
 collectives per target forward.
 
-    python -m bench.tp                                  # widened pair, tp 1 vs 2, off and chain:4
-    python -m bench.tp --pair demo --tp 2 --modes off --prompts 2 --max-tokens 32
+    python -m bench tp                                  # widened pair, tp 1 vs 2, off and chain:4
+    python -m bench tp --pair demo --tp 2 --modes off --prompts 2 --max-tokens 32
 
 For each tp (one engine at a time: one process holds one process group) every prompt runs once
 per mode to warm up, then `--rounds` times; tok/s is generated tokens over wall time, each prompt's
@@ -23,7 +23,7 @@ import dataclasses
 import time
 
 from bench.compare import chat_prompts, held_out_questions, load_pair
-from bench.options import usable_cores
+from bench.options import add_modes, usable_cores
 from specserve import LLM, SamplingParams
 from specserve.distributed import CollectiveStats, collective_stats
 
@@ -107,12 +107,12 @@ def _agreement(a: list[list[int]], b: list[list[int]]) -> str:
     return "same"
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m bench.tp") -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m bench tp") -> int:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     p.add_argument("--pair", default="widened", help="demo | widened")
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--draft-tp", type=int, default=1)
-    p.add_argument("--modes", default="off,chain:4")
+    add_modes(p, "off,chain:4")
     p.add_argument("--prompts", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--rounds", type=int, default=2)
@@ -145,7 +145,3 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench.tp") -> int
               f"{1e6 * c['all_reduce_s'] / max(1, c['all_reduce_count']):.0f} | "
               f"{1e3 * (c['gather_s'] + c['control_s']) / steps:.2f} |")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,7 +1,7 @@
 """What the server layer costs: WebSocket round trips, per-event CPU, TTFT over WS vs direct.
 
-    python -m bench.ws_latency                      # tiny random model built on the fly
-    python -m bench.ws_latency --target DIR [--draft DIR --speculation S] [--n 200]
+    python -m bench server-overhead                 # tiny random model built on the fly
+    python -m bench server-overhead --target DIR [--draft DIR --speculation S] [--n 200]
 
 A real uvicorn (the app and settings `specserve serve` uses) runs on a thread of this process;
 the WebSocket client runs in a child process, so its Python work does not compete for this
@@ -217,7 +217,7 @@ def measure(srv: _ServerThread, args) -> None:
           f"busy {100 * cpu / wall:.1f}%)")
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m bench.ws_latency") -> None:
+def main(argv: list[str] | None = None, prog: str = "python -m bench server-overhead") -> None:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     parser.add_argument("--target", help="target model folder (default: a tiny random model)")
     parser.add_argument("--draft")
@@ -242,7 +242,3 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench.ws_latency"
             measure(srv, args)
         finally:
             srv.stop()
-
-
-if __name__ == "__main__":
-    main()
