@@ -70,9 +70,17 @@ def add_serve(sub) -> None:
                    help="on SIGTERM/SIGINT, seconds in-flight streams may run on before they "
                    "are ended (default: 20; a second signal exits at once)")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--replicas", type=int, metavar="N",
+                   help="run N engine replicas behind a gateway on Ray Serve, the same routes "
+                   "on the same port (needs the cluster extra: pip install -e .[cluster])")
+    p.add_argument("--ray-address", metavar="ADDR",
+                   help="with --replicas: the Ray cluster to join ('auto': the one `ray start` "
+                   "started here; default: that one, else a new local cluster)")
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    if args.replicas is not None or args.ray_address is not None:
+        return run_serve_cluster(args)
     from .engine import AsyncEngine
     from .engine.core import EngineCore
     from .llm import build_engine_config
@@ -116,6 +124,50 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"specserve serve: {workers.failure}", file=sys.stderr)
         return 1
     return 0
+
+
+def run_serve_cluster(args: argparse.Namespace) -> int:
+    """`serve --replicas N`: the Ray Serve application (specserve/cluster)."""
+    from .server.hosts import default_allowed_hosts
+
+    def fail(message: str) -> int:
+        print(f"specserve serve: {message}", file=sys.stderr)
+        return 2
+
+    if args.replicas is None:
+        return fail("--ray-address needs --replicas N")
+    if args.replicas < 1:
+        return fail(f"--replicas must be at least 1, got {args.replicas}")
+    if args.tp != 1 or args.draft_tp != 1:
+        return fail("--tp and --draft-tp are not supported with --replicas yet")
+    try:
+        from .cluster import ClusterOptions
+        from .cluster.launch import serve_forever
+    except ImportError as exc:
+        return fail(f"--replicas needs Ray Serve ({exc}); install the cluster extra: "
+                    f"pip install -e .[cluster]")
+    from .llm import build_engine_config
+
+    engine_options = _engine_options(args)
+    try:  # a bad folder or option fails here, not in every replica
+        config = build_engine_config(**engine_options)
+    except (FileNotFoundError, ValueError) as exc:
+        return fail(str(exc))
+    missing = [str(p) for p in (config.target, config.draft) if p is not None and not p.exists()]
+    if missing:
+        return fail(f"no such model: {', '.join(missing)}")
+    # The models as resolved here, absolute: replicas run elsewhere (another cwd or machine).
+    engine_options.update(target=str(config.target.resolve()),
+                          draft=str(config.draft.resolve()) if config.draft else None)
+    hosts = default_allowed_hosts(args.host, args.allowed_hosts.split(","))
+    options = ClusterOptions(
+        engine_options=engine_options, num_replicas=args.replicas,
+        app_options=dict(api_key=args.api_key, allowed_origins=args.allowed_origin,  # noqa: C408
+                         model_name=_model_name(args), allowed_hosts=hosts),
+        limit_overrides=dict(max_queued_requests=args.max_queued_requests,  # noqa: C408
+                             max_request_bytes=args.max_request_bytes),
+        drain_timeout_s=args.drain_timeout)
+    return serve_forever(options, args.host, args.port, args.ray_address)
 
 
 def _model_name(args: argparse.Namespace) -> str | None:

@@ -38,13 +38,16 @@ class ClusterOptions:
     max_ongoing_requests: int = 64  # per engine replica, queued in its engine beyond its batch
     stats_period_s: float = 1.0  # how often each replica reports its load and KV pool
     router_options: dict = field(default_factory=dict)  # PrefixAffinityRouter's options
+    drain_timeout_s: float = 20.0  # on shutdown, how long streams in flight may run on
 
     def __post_init__(self) -> None:
         if isinstance(self.num_replicas, bool) or not isinstance(self.num_replicas, int) \
                 or self.num_replicas < 1:
             raise ValueError(f"--replicas must be an integer >= 1, got {self.num_replicas!r}")
-        if self.cpus_per_replica <= 0 or self.max_ongoing_requests < 1:
-            raise ValueError("cpus_per_replica must be > 0 and max_ongoing_requests >= 1")
+        if self.cpus_per_replica <= 0 or self.max_ongoing_requests < 1 \
+                or self.drain_timeout_s < 0:
+            raise ValueError("cpus_per_replica must be > 0, max_ongoing_requests >= 1 and "
+                             "drain_timeout_s >= 0")
 
 
 class Gateway:
@@ -74,11 +77,13 @@ def build_application(options: ClusterOptions) -> serve.Application:
         max_ongoing_requests=options.max_ongoing_requests,
         request_router_config=router,
         health_check_period_s=2, health_check_timeout_s=10,
+        graceful_shutdown_timeout_s=options.drain_timeout_s,
     ).bind(options.engine_options)
     gateway = serve.deployment(
         serve.ingress()(Gateway), name=GATEWAY, num_replicas=1,
         ray_actor_options={"num_cpus": 0},
         # Admission control (429 / overloaded) lives in the gateway; Ray must not refuse first.
         max_ongoing_requests=100_000,
+        graceful_shutdown_timeout_s=options.drain_timeout_s,
     )
     return gateway.bind(replicas, options)

@@ -90,4 +90,6 @@ class EngineReplica:
             raise RuntimeError(f"replica {self.replica_id}: the engine is not running")
 
     async def __del__(self) -> None:
-        await self.engine.shutdown()
+        engine = getattr(self, "engine", None)  # None when __init__ failed
+        if engine is not None:
+            await engine.shutdown()
