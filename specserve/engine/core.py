@@ -439,15 +439,15 @@ class EngineCore:
     def _commit_tokens(self, req: Request, tree: TokenTree, verdict: Verdict) -> list[int]:
         """The accepted tokens and the bonus/recovered one, up to the first stop condition."""
         committed = []
+        grammar = self._grammar.get(req.request_id)
         for token in [tree.tokens[n] for n in verdict.accepted] + [verdict.next_token]:
             committed.append(token)
-            if req.append_token(token):
+            done = req.append_token(token)
+            if grammar is not None and grammar.commit(token) and not done:
+                req.finish("stop")  # the grammar's stop token under ignore_eos: output done
+                done = True
+            if done:
                 break
-        grammar = self._grammar.get(req.request_id)
-        if grammar is not None:
-            grammar.commit(committed)
-            if grammar.is_terminated and not req.is_finished:  # ignore_eos: the output is done
-                req.finish("stop")
         self.stats.num_generation_tokens += len(committed)
         return committed
 

@@ -125,15 +125,14 @@ class RequestGrammar:
         return unpack_bitmask(torch.stack(rows), self.vocab_size)  # [n, V]
 
     # ---- commits --------------------------------------------------------------------------
-    def commit(self, tokens: list[int]) -> None:
-        """Advance past committed tokens; the step's path masks are stale after this."""
+    def commit(self, token: int) -> bool:
+        """Advance past a committed token; True once the grammar has accepted a stop token
+        (the output is complete). The step's path masks are stale after this."""
         self._rows.clear()
-        for token in tokens:
-            if self.matcher.is_terminated():
-                return  # tokens after the stop token are not output (the request ends)
-            if not self.matcher.accept_token(token):
-                raise RuntimeError(f"structured output: committed token {token} is not allowed "
-                                   f"by the grammar (a mask was not applied)")
+        if not self.matcher.is_terminated() and not self.matcher.accept_token(token):
+            raise RuntimeError(f"structured output: committed token {token} is not allowed by "
+                               f"the grammar (a mask was not applied)")
+        return self.matcher.is_terminated()
 
 
 def _path(tokens: list[int], parents: list[int], node: int) -> tuple[int, ...]:
