@@ -41,6 +41,12 @@ def serve_forever(options, host: str, port: int, ray_address: str | None) -> int
         while not stop.wait(1.0):
             pass
     finally:
-        serve.delete(APP_NAME)  # waits for each replica's graceful shutdown
+        # Serve drains each replica (its graceful shutdown timeout) before deleting it. Bounded:
+        # a signal sent to the whole process group may have ended Ray's own processes too.
+        deleting = threading.Thread(target=serve.delete, args=(APP_NAME,), daemon=True)
+        deleting.start()
+        deleting.join(options.drain_timeout_s + 15)
+        if deleting.is_alive():
+            print("specserve serve: the application did not stop in time", file=sys.stderr)
         ray.shutdown()
     return 0
