@@ -1,0 +1,76 @@
+"""`specserve serve --role prefill|decode|both`: the flags, and the engine and routes of each.
+
+- both (the default): today's colocated server.
+- prefill: a full server that also answers `POST /v1/disagg/prefill` and serves the KV of the
+  prompts it prefilled on a TCP port (`--kv-port`, default: any free one; the answer names it).
+- decode: a full server whose new requests are prefilled on `--prefill-url URL` (repeatable);
+  clients talk to it as to any server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the CLI imports this module for its flags: --help stays instant
+    from ..engine import AsyncEngine
+    from ..engine.core import EngineCore
+
+ROLES = ("both", "prefill", "decode")
+
+
+def add_role_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--role", choices=ROLES, default="both",
+                   help="both: prefill and decode here (default); prefill: also prefill "
+                   "prompts for decode servers; decode: prefill every new prompt on "
+                   "--prefill-url and decode here")
+    p.add_argument("--prefill-url", action="append", default=[], metavar="URL",
+                   help="with --role decode: a prefill server (repeatable; tried in turn)")
+    p.add_argument("--kv-port", type=int, default=0, metavar="PORT",
+                   help="with --role prefill: the TCP port decode servers pull KV from "
+                   "(default: any free one)")
+    p.add_argument("--prefill-timeout", type=float, default=120.0, metavar="S",
+                   help="with --role decode: seconds a prefill may take before the request "
+                   "fails (default: 120)")
+
+
+def role_engine(core: EngineCore, args: argparse.Namespace) -> AsyncEngine:
+    """The engine of `args.role`; ValueError names a bad combination of flags."""
+    if args.prefill_url and args.role != "decode":
+        raise ValueError("--prefill-url is for --role decode")
+    if args.role != "both" and args.tp != 1:
+        raise ValueError("--role prefill/decode does not support --tp yet")
+    if args.role == "prefill":
+        from .prefill import PrefillEngine
+
+        engine = PrefillEngine(core, args.host, args.kv_port, advertised_host(args.host))
+        print(f"specserve: prefill role; decode servers pull KV from "
+              f"{engine.kv_server.host}:{engine.kv_server.port}", file=sys.stderr, flush=True)
+        return engine
+    if args.role == "decode":
+        from .decode import DecodeEngine, PrefillClient
+
+        if not args.prefill_url:
+            raise ValueError("--role decode needs --prefill-url URL")
+        print(f"specserve: decode role; prompts prefilled on {', '.join(args.prefill_url)}",
+              file=sys.stderr, flush=True)
+        return DecodeEngine(core, PrefillClient(args.prefill_url, args.api_key,
+                                                args.prefill_timeout))
+    from ..engine import AsyncEngine
+
+    return AsyncEngine(core)
+
+
+def role_routes(engine: AsyncEngine) -> list:
+    """Routes a role adds to the app."""
+    from .prefill import ROUTES, PrefillEngine
+
+    return ROUTES if isinstance(engine, PrefillEngine) else []
+
+
+def advertised_host(bind_host: str) -> str:
+    """The host decode servers connect to for KV: the bound one, or this machine's name when
+    bound to every interface."""
+    return socket.gethostname() if bind_host in ("0.0.0.0", "::", "") else bind_host
