@@ -2,6 +2,7 @@
 
     python -m bench kernels                                   # this tree, the selected path
     python -m bench kernels --against HEAD~3 --isas avx2,avx512 --rows 1,3,5,8
+    python -m bench kernels --pages 2m,4k --rows 1,5              # what the huge pages buy
 
 What a decode or verify step spends most of its time in, without the rest of the forward: the
 widened target's 96 layer products (its real weights, in 2 MiB pages as specserve loads them)
@@ -16,12 +17,18 @@ product shapes (kernel changes meant to be speed-only), or the script says which
 
 Prints, per path and tree: milliseconds from memory and each row count's cost over one row's,
 and GFLOP/s from L2.
+
+``--pages 2m,4k`` also loads a copy of the weights with ``SPECSERVE_HUGE_PAGES=0`` (where torch
+allocated them: 4 KiB pages unless the system's transparent_hugepage setting is ``always``) and
+times both copies in the same rounds: a decode step reads every weight once, and in 4 KiB pages
+that is a TLB miss per 4 KiB (specserve/model/huge_pages.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import os
 import subprocess
 import tempfile
 import time
@@ -37,6 +44,7 @@ from specserve.model.loader import load_model
 REPO = Path(__file__).resolve().parent.parent
 KERNELS_DIR = "specserve/kernels"
 L2_CALLS = 100
+PAGES = {"2m": "1", "4k": "0"}  # --pages -> SPECSERVE_HUGE_PAGES while the copy loads
 
 
 def build_tree(sources: Path, isa: str, out_dir: Path, name: str) -> ctypes.CDLL:
@@ -67,6 +75,15 @@ def layer_weights(model) -> list[torch.Tensor]:
             if name.startswith("layers.") and p.dim() == 2]
 
 
+def load_weights(pages: str) -> list[torch.Tensor]:
+    """The widened target's layer weights, loaded with huge pages on (2m) or off (4k)."""
+    os.environ["SPECSERVE_HUGE_PAGES"] = PAGES[pages]
+    try:
+        return layer_weights(load_model(ensure_widened_demo(), "auto", "cpu", None))
+    finally:
+        os.environ.pop("SPECSERVE_HUGE_PAGES")
+
+
 def product(lib, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, threads: int) -> None:
     """y[:M, :N] = x[:M, :K] w^T, bf16 out (x [M, >=K] row stride K as the kernel reads it)."""
     rows = x.shape[0]
@@ -85,7 +102,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench kernels") -
     parser.add_argument("--rows", default="1,5", help="comma list of activation rows")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--pages", default="2m",
+                        help="comma list of weight page sizes: 2m (as specserve loads them), 4k")
     args = parser.parse_args(argv)
+    pages_list = args.pages.split(",")
+    if not set(pages_list) <= set(PAGES):
+        parser.error(f"--pages {args.pages!r}: not a page size ({', '.join(PAGES)})")
     torch.set_num_threads(args.threads)
     rows_list = row_counts(parser, args.rows)
     isas = args.isas.split(",") if args.isas else [cpu_build.selected_isa()]
@@ -108,7 +130,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench kernels") -
         libs = {(tree, isa): build_tree(src, isa, tmp_path, f"tree{i}")
                 for i, (tree, src) in enumerate(trees.items()) for isa in isas}
         log("  loading the widened target")
-        weights = layer_weights(load_model(ensure_widened_demo(), "auto", "cpu", None))
+        copies = {pages: load_weights(pages) for pages in pages_list}
+        weights = copies[pages_list[0]]
         widest_k = max(w.shape[1] for w in weights)
         widest_n = max(w.shape[0] for w in weights)
         xs = {m: torch.randn(m, widest_k).to(torch.bfloat16) for m in rows_list}
@@ -135,10 +158,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench kernels") -
         for _ in range(args.repeats):
             for (tree, isa), lib in libs.items():
                 for m in rows_list:
-                    start = time.perf_counter()
-                    for w in weights:
-                        product(lib, xs[m], w, y, args.threads)
-                    from_memory.setdefault((tree, isa, m), []).append(time.perf_counter() - start)
+                    for pages, copy in copies.items():
+                        start = time.perf_counter()
+                        for w in copy:
+                            product(lib, xs[m], w, y, args.threads)
+                        from_memory.setdefault((tree, isa, pages, m), []).append(
+                            time.perf_counter() - start)
                     start = time.perf_counter()
                     for _ in range(L2_CALLS):
                         product(lib, xs[m], square, y, args.threads)
@@ -147,16 +172,17 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench kernels") -
     print(f"\nthe widened target's {len(weights)} layer products, best of {args.repeats}: from "
           f"memory (ms, x 1 row) and from L2 (a {square.shape[0]} x {square.shape[1]} product "
           f"{L2_CALLS} times, GFLOP/s)")
-    print("| path | tree | " + " | ".join(f"{m} rows ms | x 1 row | L2 GFLOP/s"
-                                          for m in rows_list) + " |")
-    print("|---|---|" + "---|---|---|" * len(rows_list))
+    print("| path | tree | pages | " + " | ".join(f"{m} rows ms | x 1 row | L2 GFLOP/s"
+                                                  for m in rows_list) + " |")
+    print("|---|---|---|" + "---|---|---|" * len(rows_list))
     for isa in isas:
         for tree in trees:
-            one = min(from_memory[tree, isa, 1])
-            cells = []
-            for m in rows_list:
-                memory = min(from_memory[tree, isa, m])
-                flops = 2 * m * square.numel() * L2_CALLS / min(from_l2[tree, isa, m])
-                cells.append(f"{1e3 * memory:.2f} | {memory / one:.2f}x | {flops / 1e9:.0f}")
-            print(f"| {isa} | {tree} | " + " | ".join(cells) + " |")
+            for pages in pages_list:
+                one = min(from_memory[tree, isa, pages, 1])
+                cells = []
+                for m in rows_list:
+                    memory = min(from_memory[tree, isa, pages, m])
+                    flops = 2 * m * square.numel() * L2_CALLS / min(from_l2[tree, isa, m])
+                    cells.append(f"{1e3 * memory:.2f} | {memory / one:.2f}x | {flops / 1e9:.0f}")
+                print(f"| {isa} | {tree} | {pages} | " + " | ".join(cells) + " |")
     return 0

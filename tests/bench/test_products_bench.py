@@ -36,6 +36,7 @@ def test_a_built_tree_computes_the_product(tmp_path):
     (["--rows", "2,5"], "must include 1"),
     (["--rows", "0,1,5"], "no count below 1"),
     (["--rows", "1,five"], "comma list of integers"),
+    (["--pages", "2m,1g"], "not a page size"),
 ])
 def test_bad_arguments_are_refused(argv, message, capsys):
     with pytest.raises(SystemExit):
