@@ -287,12 +287,14 @@ def prepare_request(facts: ModelFacts, limits: RequestLimits, *,
                     stop: str | Sequence[str] | None = None,
                     max_output_tokens: int | None = None, ignore_eos: bool | None = None,
                     speculation=None,
-                    param: Callable[[str], str] = lambda name: name) -> PreparedRequest:
+                    param: Callable[[str], str] = lambda name: name,
+                    tools: list[dict] | None = None) -> PreparedRequest:
     """Validate, template and tokenize one request; RequestError names the offending field.
 
     `param` maps the canonical field names used here (messages, prompt, max_output_tokens,
     speculation, ...) to the caller's wire names, so errors point at what the client sent.
     This does the tokenizing: the server runs it on a worker thread, never on its event loop.
+    `tools` (OpenAI function tools) go to a chat template that renders them itself.
     """
     tokenizer = facts.tokenizer
     cap = limits.prompt_byte_cap
@@ -307,7 +309,8 @@ def prepare_request(facts: ModelFacts, limits: RequestLimits, *,
         chat = check_messages(messages, facts.roles, cap, param("messages"))
         try:
             text = tokenizer.apply_chat_template(chat, add_generation_prompt=True,
-                                                 tokenize=False)
+                                                 tokenize=False,
+                                                 **({"tools": tools} if tools else {}))
         except Exception as exc:  # a template may reject role orders; say so, don't crash
             raise RequestError("invalid_field", f"chat template failed: {exc}",
                                param("messages")) from exc

@@ -2,8 +2,12 @@
 
 Request bodies are decoded with orjson and checked with msgspec structs that ignore fields we
 do not use (OpenAI clients send many) and take `null` for every optional one; fields asking for
-something this server does not do (tools, structured output, penalties) are refused with a 400
-naming them. Each prompt then goes through the same `prepare_request` as WebSocket requests.
+something this server does not do (penalties, logit_bias) are refused with a 400 naming them.
+Structured output (`response_format`, vLLM's `structured_outputs` / `guided_*`) and tools
+(`tools`, `tool_choice`) become a `StructuredOutput` on the request's SamplingParams, compiled off
+the event loop before the request starts (specserve/structured); tool calls in the reply come
+back as OpenAI `tool_calls`, streamed as whole calls. Each prompt then goes through the same
+`prepare_request` as WebSocket requests.
 One HTTP request may start several engine requests: prompts x `n` (or `best_of`) choices,
 streamed side by side. Streaming answers are server-sent events, one chunk per engine step and
 choice that produced text (or log-probabilities), ending with `data: [DONE]`. A client that goes
@@ -32,6 +36,17 @@ from starlette.responses import Response, StreamingResponse
 from ..engine import EngineStoppedError, RequestStream
 from ..outputs import RequestDelta, TokenLogprob
 from ..sampling import MAX_LOGPROBS, SamplingParams
+from ..structured import api as structured_api
+from ..structured.compiler import GrammarError
+from ..structured.spec import StructuredOutput
+from ..structured.tools import (
+    ToolCallStream,
+    ToolError,
+    ToolPlan,
+    parse_tool_calls,
+    plan_tools,
+    render_messages,
+)
 from ..validation import (
     PreparedRequest,
     RequestError,
@@ -61,6 +76,9 @@ class StreamOptions(msgspec.Struct):
 class ChatMessage(msgspec.Struct):
     role: str  # checked against the chat template's roles by validation
     content: str | list[dict] | None = None  # text parts only; validation checks each
+    tool_calls: list[dict] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool result's call
+    name: str | None = None
 
 
 class _Common(msgspec.Struct, kw_only=True):
@@ -82,6 +100,13 @@ class _Common(msgspec.Struct, kw_only=True):
     ignore_eos: bool | None = None
     speculation: SpeculationSpec | None = None
     return_tokens_as_token_ids: bool | None = None  # vLLM's: logprob tokens as "token_id:ID"
+    # Structured output: OpenAI's field, and vLLM's (at most one of them)
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    guided_choice: list[str] | None = None
 
 
 class ChatCompletionRequest(_Common, kw_only=True):
@@ -91,7 +116,6 @@ class ChatCompletionRequest(_Common, kw_only=True):
     top_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
-    response_format: dict | None = None
 
 
 class CompletionRequest(_Common, kw_only=True):
@@ -215,16 +239,6 @@ def _check_supported(body: _Common, chat: bool) -> None:
     if body.logit_bias:
         raise _unsupported("logit_bias is not supported; leave it empty or unset", "logit_bias")
     if chat:
-        if body.tools and body.tool_choice != "none":  # OpenAI's default with tools: "auto"
-            raise _unsupported("tool calling is not supported: send no tools, or tool_choice "
-                               "\"none\"", "tools")
-        if body.tool_choice not in (None, "none", "auto"):
-            raise _unsupported("tool calling is not supported: tool_choice may only be "
-                               "\"none\" or \"auto\" (with no tools)", "tool_choice")
-        fmt = body.response_format
-        if fmt is not None and fmt.get("type") != "text":
-            raise _unsupported(f"response_format type {fmt.get('type')!r} is not supported "
-                               "(no structured output); only \"text\"", "response_format")
         if body.top_logprobs and not body.logprobs:
             raise RequestError("invalid_field", "top_logprobs needs logprobs: true",
                                "top_logprobs")
@@ -258,7 +272,8 @@ def _prompts(body: CompletionRequest) -> list[str | list[int]]:
 
 
 async def _prepare(state: ServerState, body: _Common, chat: bool,
-                   prompt: str | list[int] | None = None) -> PreparedRequest:
+                   prompt: str | list[int] | None = None,
+                   plan: ToolPlan | None = None) -> PreparedRequest:
     max_tokens = body.max_tokens
     names = {"max_output_tokens": "max_tokens"}
     if chat:
@@ -267,7 +282,14 @@ async def _prepare(state: ServerState, body: _Common, chat: bool,
                 "max_completion_tokens"
         # "developer" is the newer OpenAI name of the system role.
         messages = [{"role": "system" if m.role == "developer" else m.role,
-                     "content": m.content or ""} for m in body.messages]
+                     "content": m.content or "", "tool_calls": m.tool_calls}
+                     for m in body.messages]
+        if plan is not None or any(m["tool_calls"] or m["role"] == "tool" for m in messages):
+            # Calls and tool results as the model's format spells them (text), and the tool
+            # list where the template does not render it itself.
+            messages = render_messages(messages, plan, state.preparer.facts.roles)
+        else:
+            messages = [{"role": m["role"], "content": m["content"]} for m in messages]
         prompt = None
     else:
         messages = None
@@ -277,7 +299,31 @@ async def _prepare(state: ServerState, body: _Common, chat: bool,
         messages=messages, prompt=prompt,
         temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
         stop=body.stop, max_output_tokens=max_tokens, ignore_eos=body.ignore_eos,
-        speculation=body.speculation, param=lambda name: names.get(name, name))
+        speculation=body.speculation, param=lambda name: names.get(name, name),
+        tools=plan.openai_tools() if plan is not None and plan.native else None)
+
+
+def _structured(body: _Common, chat: bool, plan: ToolPlan | None
+                ) -> tuple[str, StructuredOutput] | None:
+    """The request's output constraint and the field that asked for it."""
+    fields = [("response_format", structured_api.from_response_format(body.response_format)),
+              ("structured_outputs", structured_api.from_vllm(
+                  body.structured_outputs, json=body.guided_json, regex=body.guided_regex,
+                  grammar=body.guided_grammar, choice=body.guided_choice))]
+    if plan is not None:
+        fields.append(("tool_choice", plan.constraint()))
+    spec = structured_api.one_of(*fields)
+    return None if spec is None else (next(n for n, s in fields if s is spec), spec)
+
+
+def _tool_plan(state: ServerState, body: _Common, chat: bool) -> ToolPlan | None:
+    if not chat:
+        return None
+    try:
+        return plan_tools(body.tools, body.tool_choice,
+                          getattr(state.engine.tokenizer, "chat_template", None))
+    except ToolError as exc:
+        raise RequestError("invalid_field", str(exc), exc.param) from None
 
 
 async def _abort_on_disconnect(request: Request, completion: _Completion,
@@ -301,8 +347,9 @@ def _new_id(prefix: str) -> str:
 class _Group:
     """The choices of one prompt: `n` (or `best_of`) samples that share its KV blocks."""
 
-    def __init__(self, prepared: PreparedRequest, text: str) -> None:
+    def __init__(self, prepared: PreparedRequest, text: str, plan: ToolPlan | None) -> None:
         self.prepared = prepared
+        self.plan = plan
         self.text = text  # what echo repeats: the prompt as sent, or its token ids decoded
         self.choices: list[_Choice] = []
         self.prompt_logprobs: list[TokenLogprob | None] | None = None  # from the leader
@@ -325,6 +372,8 @@ class _Choice:
         self.error: str | None = None
         self.role_sent = False
         self.echo_sent = False
+        # With tools: splits the streamed reply into content and whole tool calls.
+        self.tool_stream = ToolCallStream(group.plan) if group.plan is not None else None
         self.completion_logprobs = CompletionLogprobs(strings)  # keeps text_offset running
 
     def add(self, delta: RequestDelta) -> None:
@@ -374,6 +423,8 @@ class _Completion:
             self.echo = bool(body.echo)
         self.drop_output = not chat and body.max_tokens == 0  # echo of the prompt only
         self.prompts = [None] if chat else _prompts(body)
+        self.tool_plan = _tool_plan(state, body, chat)
+        self.structured = _structured(body, chat, self.tool_plan)
         limit = state.limits.max_choices
         if self.num_requests > limit:
             raise RequestError("invalid_field", f"prompts x {'best_of' if best_of else 'n'} is "
@@ -396,11 +447,18 @@ class _Completion:
         # best_of ranks samples by their cumulative log-probability, so it needs them.
         engine_logprobs = self.logprobs if self.samples == self.n else (self.logprobs or 0)
         tokenizer = self.state.engine.tokenizer
+        spec = None
+        if self.structured is not None:
+            field, spec = self.structured
+            try:  # on the compiler's threads, capped in time; cached for the engine
+                await self.state.engine.core.grammars.compile_async(spec)
+            except GrammarError as exc:
+                raise RequestError("invalid_field", str(exc), field) from None
         for prompt in self.prompts:
-            prepared = await _prepare(self.state, body, self.chat, prompt)
+            prepared = await _prepare(self.state, body, self.chat, prompt, self.tool_plan)
             group = _Group(prepared, prompt if isinstance(prompt, str) or prompt is None
-                           else tokenizer.decode(prompt))
-            base = prepared.params
+                           else tokenizer.decode(prompt), self.tool_plan)
+            base = replace(prepared.params, structured=spec)
             for j in range(self.samples):
                 params = replace(
                     base, seed=None if base.seed is None else base.seed + j,
@@ -512,9 +570,16 @@ class _Completion:
         choices = []
         for index, choice in enumerate(self._ranked()):
             text = "" if self.drop_output else "".join(choice.parts)
+            finish_reason = choice.finish_reason
             if self.chat:
-                rendered = {"index": index,
-                            "message": {"role": "assistant", "content": text}}
+                message = {"role": "assistant", "content": text}
+                if self.tool_plan is not None:
+                    content, calls = parse_tool_calls(text, self.tool_plan)
+                    message["content"] = content
+                    if calls:
+                        message["tool_calls"] = calls
+                        finish_reason = _tool_finish(finish_reason)
+                rendered = {"index": index, "message": message}
                 logprobs = self._output_logprobs(choice, choice.token_ids, choice.logprobs)
             else:
                 parts = []
@@ -525,7 +590,7 @@ class _Completion:
                 parts.append(self._output_logprobs(choice, choice.token_ids, choice.logprobs))
                 rendered = {"index": index, "text": text}
                 logprobs = merge_completion_logprobs([p for p in parts if p is not None])
-            rendered.update(finish_reason=choice.finish_reason, logprobs=logprobs)
+            rendered.update(finish_reason=finish_reason, logprobs=logprobs)
             if len(self.choices) > 1:
                 rendered["metrics"] = request_metrics(choice.metrics)
             choices.append(rendered)
@@ -542,14 +607,24 @@ class _Completion:
         if self.chat:
             rendered_lp = self._output_logprobs(choice, token_ids, logprobs) if token_ids \
                 else None
-            if delta is not None and not text and rendered_lp is None:
+            calls: list[dict] = []
+            if choice.tool_stream is not None:
+                text, calls = (choice.tool_stream.feed(text) if delta is not None
+                               else choice.tool_stream.finish())
+                if delta is None and choice.tool_stream.num_calls:
+                    finish_reason = _tool_finish(finish_reason)
+            if delta is not None and not text and not calls and rendered_lp is None:
                 return None
             message: dict = {}
-            if delta is not None:
+            if delta is not None or text or calls:
                 if not choice.role_sent:  # the role rides on the first real token
                     message["role"] = "assistant"
                     choice.role_sent = True
-                message["content"] = text
+                message["content"] = text if text or not calls else None
+            if calls:
+                first = choice.tool_stream.num_calls - len(calls)
+                message["tool_calls"] = [{"index": first + k, **call}
+                                         for k, call in enumerate(calls)]
             rendered = {"index": choice.index, "delta": message}
             object_ = "chat.completion.chunk"
         else:
@@ -598,6 +673,11 @@ async def _sse(completion: _Completion, watcher: asyncio.Task, ticket: Ticket,
         watcher.cancel()
         completion.abort()  # a no-op once finished; frees the blocks if the writer failed
         ticket.release()
+
+
+def _tool_finish(reason: str | None) -> str | None:
+    """OpenAI's finish reason of a reply that ended in tool calls."""
+    return "tool_calls" if reason == "stop" else reason
 
 
 def _error_chunk(message: str, code: str) -> bytes:

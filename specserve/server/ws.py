@@ -25,6 +25,8 @@ from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketDiscon
 from ..engine import EngineStoppedError, RequestStream
 from ..outputs import RequestDelta
 from ..sampling import MAX_LOGPROBS
+from ..structured import api as structured_api
+from ..structured.compiler import GrammarError
 from ..validation import (
     RequestError,
     SpeculationSpec,
@@ -70,6 +72,9 @@ class Message(msgspec.Struct, forbid_unknown_fields=True):
 class ResponseParams(SamplingFields, forbid_unknown_fields=True):
     messages: Annotated[list[Message], Meta(min_length=1)] | UnsetType = UNSET
     prompt: str | list[int] | UnsetType = UNSET
+    # What the output must match: one of {"json": schema, "json_object": true, "regex": ...,
+    # "grammar": ..., "choice": [...]} (vLLM's structured_outputs keys); per request only.
+    structured: dict | UnsetType = UNSET
 
 
 class _Event(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -248,8 +253,10 @@ class Session:
                 prompt=params.prompt if params.prompt is not UNSET else None,
                 param=lambda name: f"response.{name}", **fields)
             logprobs = _merged(params, defaults, "logprobs")
+            structured = await self._structured(params)
             stream = self.engine.add_request(prepared.prompt_token_ids,
-                                             replace(prepared.params, logprobs=logprobs),
+                                             replace(prepared.params, logprobs=logprobs,
+                                                     structured=structured),
                                              f"{self.id}/{rid}", prepared.speculation)
         except RequestError as exc:
             await self._refuse(ticket, exc.code, exc.message, exc.param, event_id, rid)
@@ -271,6 +278,18 @@ class Session:
                                       "speculation": prepared.speculation_name}})
         spec_events = bool(_merged(params, defaults, "speculation_events"))
         flight.task = asyncio.create_task(self._pump(rid, flight, n_prompt, spec_events))
+
+    async def _structured(self, params: ResponseParams):
+        """The request's StructuredOutput, compiled (off the loop, capped); None if none."""
+        if params.structured is UNSET:
+            return None
+        param = "response.structured"
+        spec = structured_api.from_vllm(params.structured, param=param)
+        try:
+            await self.engine.core.grammars.compile_async(spec)
+        except GrammarError as exc:
+            raise RequestError("invalid_field", str(exc), param) from None
+        return spec
 
     async def _refuse(self, ticket: Ticket | None, code: str, message: str,
                       param: str | None, event_id: str | None, rid: str) -> None:
