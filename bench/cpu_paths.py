@@ -10,6 +10,9 @@ Rows, batch 1, greedy, the widened target (bf16) with the demo draft, `--threads
   each of ``--modes`` (off, chain:2, chain:4 and the default, adaptive on CPU, unless told).
   Within a path every mode's token ids must equal the first mode's before anything is timed
   (greedy speculation is exact, and the C kernels are row-count invariant).
+- ``--cpu-stack 1,0``: each of those rows twice, ``<isa> <mode> stack`` (a forward's decoder
+  layers in one C call) and ``<isa> <mode> layers`` (one C call per op), which must give the
+  same token ids.
 - ``llama.cpp bf16``: ``llama-completion`` on a bf16 GGUF of the same target; ``llama.cpp bf16
   + draft``: ``llama-speculative`` with the draft's bf16 GGUF (its default of up to 3 draft
   tokens). Made once by ``llamacpp-peer convert`` (``--peer``, default
@@ -76,6 +79,7 @@ PEER = Path(__file__).resolve().parents[2] / "shared" / "tools" / "llamacpp-peer
 EVAL_TIME = re.compile(r"(?<!prompt )\beval time =\s*([\d.]+) ms /\s*(\d+) runs")
 SPEC_DECODED = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds")
 LLAMA_BF16, LLAMA_DRAFT = "llama.cpp bf16", "llama.cpp bf16 + draft"
+STACK = {"1": "stack", "0": "layers"}  # --cpu-stack value -> its rows' name suffix
 
 
 def use_isa(isa: str) -> None:
@@ -90,6 +94,22 @@ def on_isa(isa: str, run):
         return run(prompt)
 
     return wrapped
+
+
+def with_stack(run, stack: str):
+    """`run` with SPECSERVE_CPU_STACK set to `stack` while it runs (1: a forward's decoder
+    layers in one C call; 0: one by one), the caller's setting restored afterwards."""
+    def timed(prompt):
+        before = os.environ.get("SPECSERVE_CPU_STACK")
+        os.environ["SPECSERVE_CPU_STACK"] = stack
+        try:
+            return run(prompt)
+        finally:
+            if before is None:
+                del os.environ["SPECSERVE_CPU_STACK"]
+            else:
+                os.environ["SPECSERVE_CPU_STACK"] = before
+    return timed
 
 
 # ---- llama.cpp ------------------------------------------------------------------------------
@@ -308,6 +328,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench peer") -> i
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_isas(parser, ",".join([*cpu_build.supported_isas(), "torch"]))
     add_modes(parser, f"off,chain:2,chain:4,{DEFAULT_MODE}")
+    parser.add_argument("--cpu-stack",
+                        help="comma list of SPECSERVE_CPU_STACK settings timed side by side: 1 "
+                             "(the decoder layers in one C call, as shipped), 0 (one by one); "
+                             "default: the environment's")
     parser.add_argument("--repeats", type=int, default=5, help="verify and TTFT repeats")
     parser.add_argument("--prompt-tokens", type=int, default=512, help="TTFT prompt length")
     parser.add_argument("--gguf-dir", type=Path,
@@ -318,6 +342,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench peer") -> i
     parser.add_argument("--gemm-rows", type=int, default=512, help="prompt-chunk product rows")
     add_common_args(parser)
     args = parser.parse_args(argv)
+    stacks = args.cpu_stack.split(",") if args.cpu_stack else [None]
+    if not set(stacks) <= {*STACK, None}:
+        parser.error(f"--cpu-stack {args.cpu_stack!r}: expected a comma list of 1 and 0")
     setup(args)
     isas = args.isas.split(",")
     pair = load_pair("widened")
@@ -331,10 +358,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench peer") -> i
         use_isa(isa)
         llms[isa] = LLM(pair.target, pair.draft)
         for mode in args.modes.split(","):
-            name = f"{isa} {mode}"
-            runners[name] = on_isa(isa, specserve_runner(llms[isa], mode, args.max_tokens,
-                                                         args.ignore_eos))
-            groups.setdefault(isa, []).append(name)
+            run = on_isa(isa, specserve_runner(llms[isa], mode, args.max_tokens, args.ignore_eos))
+            names = [f"{isa} {mode}" + (f" {STACK[s]}" if len(stacks) > 1 else "")
+                     for s in stacks]
+            runners.update({n: with_stack(run, s) if s else run for n, s in zip(names, stacks)})
+            groups.setdefault(isa, []).extend(names)
     bin_dir = None if args.no_llamacpp else peer_bin(args.peer)
     if bin_dir is not None:
         target_gguf = ensure_gguf(args.peer, pair.target, args.gguf_dir / "widened-bf16.gguf")
