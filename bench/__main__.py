@@ -22,8 +22,8 @@ class Subcommand:
 
 
 SUBCOMMANDS = {
-    "latency": Subcommand("compare", "batch 1, greedy: every speculation mode beside "
-                                     "transformers greedy and assisted, per pair"),
+    "latency": Subcommand("compare", "batch 1: every speculation mode beside transformers "
+                                     "greedy and assisted"),
     "decode": Subcommand("decode", "batch-1 decode of a random Qwen2.5-0.5B-shaped model "
                                    "beside transformers"),
     "throughput": Subcommand("batching", "continuous batching: N requests together against "
@@ -36,13 +36,13 @@ SUBCOMMANDS = {
     "soak": Subcommand("soak", "mixed load with disconnects; the server must end where it began"),
     "hardening": Subcommand("hardening", "bad input and abusive clients against a real server"),
     "lm-eval": Subcommand("lm_eval_stdlib", "lm-evaluation-harness against a running server"),
-    "peer": Subcommand("cpu_paths", "each CPU kernel path's decode, verify cost and TTFT beside "
+    "peer": Subcommand("cpu_paths", "CPU kernel paths' decode, verify cost and TTFT beside "
                                     "llama.cpp"),
     "quant": Subcommand("quant", "int8/int4 weights: speed beside bf16 and llama.cpp, quality"),
     "default-model": Subcommand("default_model", "the default model and its draft per mode, "
                                                  "beside llama.cpp on its GGUF"),
-    "kernels": Subcommand("products", "the few-row bf16 products alone, per path and row count, "
-                                      "against another revision"),
+    "kernels": Subcommand("products", "the few-row bf16 products alone: paths, row counts, "
+                                      "revisions, page sizes"),
     "gpu-kernels": Subcommand("kernels", "CUDA paged attention and tree verify against SDPA"),
     "tp": Subcommand("tp", "tensor parallelism: tp=1 against tp=N, and the collectives' cost"),
     "report": Subcommand("report", "plots of bench/results/current.json into bench/plots/"),
