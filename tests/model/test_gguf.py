@@ -3,6 +3,8 @@ the same model as the safetensors folder they came from."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import gguf
 import numpy as np
 import pytest
@@ -27,14 +29,20 @@ LAYER_MODULES = {
     "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
     "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
 }
+# Gemma 3's block norms, as llama.cpp's converter names them.
+GEMMA3_MODULES = {**LAYER_MODULES, "post_attention_layernorm": "post_attention_norm",
+                  "pre_feedforward_layernorm": "ffn_norm",
+                  "post_feedforward_layernorm": "post_ffw_norm"}
 
 
-def gguf_name(hf: str) -> str:
+def gguf_name(hf: str, arch: str = "llama") -> str:
     if hf in HF_TO_GGUF:
         return HF_TO_GGUF[hf]
     _, _, layer, *module, kind = hf.split(".")
-    return f"blk.{layer}.{LAYER_MODULES['.'.join(module)]}.{kind}"
+    modules = GEMMA3_MODULES if arch == "gemma3" else LAYER_MODULES
+    return f"blk.{layer}.{modules['.'.join(module)]}.{kind}"
 
 
 def converter_permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -67,8 +75,17 @@ def write_gguf(folder, path, qtype: Q, arch: str = "llama") -> None:
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
-    w.add_rope_freq_base(cfg.get("rope_parameters", {}).get("rope_theta", 10000.0))
+    rope = cfg.get("rope_parameters", {})
+    w.add_rope_freq_base(rope.get("full_attention", rope).get("rope_theta", 10000.0))
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    if arch in ("qwen3", "gemma3"):
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
+    if arch == "gemma3":  # what llama.cpp's converter writes (the pattern: as an int)
+        w.add_sliding_window(cfg["sliding_window"])
+        w.add_sliding_window_pattern(cfg["layer_types"].index("full_attention") + 1)
+        if cfg.get("final_logit_softcapping"):
+            w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
     tok = json.loads((folder / "tokenizer.json").read_text())
     vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
     special = {t["content"] for t in tok["added_tokens"]}
@@ -85,8 +102,10 @@ def write_gguf(folder, path, qtype: Q, arch: str = "llama") -> None:
             values = converter_permute(values, heads)
         if arch == "llama" and name.endswith("k_proj.weight"):
             values = converter_permute(values, kv_heads)
+        if arch == "gemma3" and "norm" in name:  # the converter stores Gemma's 1 + w
+            values = values + np.float32(1)
         t = encode(values, qtype if values.ndim == 2 else Q.F32)
-        w.add_tensor(gguf_name(name), t, raw_dtype=qtype if values.ndim == 2 else Q.F32)
+        w.add_tensor(gguf_name(name, arch), t, raw_dtype=qtype if values.ndim == 2 else Q.F32)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -203,6 +222,29 @@ def test_qwen2_biases_tied_embeddings(tmp_path):
     model = load_model(path, dtype="float32")
     assert model.spec.qkv_bias and model.spec.tie_word_embeddings
     assert torch.equal(logits(model, IDS), logits(load_model(folder, dtype="float32"), IDS))
+
+
+@pytest.mark.parametrize("qtype", (Q.F32, Q.Q8_0), ids=lambda q: q.name)
+@pytest.mark.parametrize("arch", ("qwen3", "gemma3"))
+def test_qwen3_and_gemma3_files(tmp_path, arch, qtype):
+    """Their q/k norms, Gemma's four block norms (stored 1 + w), sliding pattern, rotary bases
+    and final soft-capping come from the file's metadata and names: logits equal the folder's
+    (with the file's Q8_0 blocks, the folder holding the same values, quantized at load)."""
+    # A GGUF holds no query_pre_attn_scalar: llama.cpp takes head_dim, as real checkpoints set.
+    overrides = ({"final_logit_softcapping": 5.0, "query_pre_attn_scalar": 32}
+                 if arch == "gemma3" else {})
+    folder = save_model(tmp_path / arch, arch, seed=6, tie_word_embeddings=True, **overrides)
+    path = tmp_path / "m.gguf"
+    write_gguf(folder, path, qtype, arch=arch)
+    model = load_model(path, dtype="float32")
+    # The file holds eps as float32.
+    assert replace(model.spec, rms_norm_eps=1e-6) == load_model(folder, dtype="float32").spec
+    quantization = "q8_0" if qtype == Q.Q8_0 else None
+    expected = load_model(roundtrip_folder(folder, tmp_path / "rt", qtype), dtype="float32",
+                          quantization=quantization)
+    if qtype == Q.Q8_0:  # the file's tied head computes on its blocks (see above)
+        expected.embed_tokens.file_head = model.embed_tokens.file_head
+    assert torch.equal(logits(model, IDS), logits(expected, IDS))
 
 
 def test_unsupported_type_names_tensor_and_type(llama, tmp_path):
