@@ -27,8 +27,8 @@ from ..outputs import RequestDelta
 from ..sampling import SamplingParams
 from ..speculation.modes import SpecMode, parse_speculation
 from ..validation import RequestLimits, check_lengths, check_prompt_ids
+from . import registry
 from .replica import EngineFacts, Turn
-from .router import PrefixAffinityRouter
 
 log = logging.getLogger("specserve.cluster")
 
@@ -111,7 +111,7 @@ class ClusterEngine:
     def replica_reports(self) -> dict[str, dict]:
         """Each live replica's last report (`EngineReplica.record_routing_stats`), by id;
         empty until the first request has built the router."""
-        router = PrefixAffinityRouter.current
+        router = registry.current_router()
         return {} if router is None else {rid: report for rid, report
                                           in router.replica_reports().items() if report}
 

@@ -24,6 +24,7 @@ from collections import OrderedDict
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from . import registry
 from .replica import Turn
 
 BLOCK_SIZE = 16  # tokens per KV block: the engine's default block size
@@ -66,8 +67,6 @@ class ReplicaBlocks:
 class PrefixAffinityRouter(RequestRouter):
     """Ray Serve request router for the engine replicas (see the module docstring)."""
 
-    current: PrefixAffinityRouter | None = None  # the one this process built last
-
     def initialize_state(self, imbalance_threshold: int = 4, blocks_per_replica: int = 65536,
                          max_sessions: int = 100_000) -> None:
         if imbalance_threshold < 0 or blocks_per_replica < 1 or max_sessions < 1:
@@ -78,8 +77,7 @@ class PrefixAffinityRouter(RequestRouter):
         self.max_sessions = max_sessions
         self.blocks: dict[ReplicaID, ReplicaBlocks] = {}
         self.sessions: OrderedDict[str, ReplicaID] = OrderedDict()
-        # The gateway's /metrics reads the replicas' reports through this router.
-        PrefixAffinityRouter.current = self
+        registry.register(self)  # the gateway's /metrics reads the replicas' reports here
 
     def replica_reports(self) -> dict[str, dict]:
         """Each live replica's last `record_routing_stats` report, by its full id."""
