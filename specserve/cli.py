@@ -17,6 +17,8 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
+from .disagg.roles import add_role_options, check_role_options
+
 
 def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", help="target: a Hugging Face folder, a .gguf file, or 'demo' "
@@ -70,6 +72,7 @@ def add_serve(sub) -> None:
                    help="on SIGTERM/SIGINT, seconds in-flight streams may run on before they "
                    "are ended (default: 20; a second signal exits at once)")
     p.add_argument("--log-level", default="info")
+    add_role_options(p)
     p.add_argument("--replicas", type=int, metavar="N",
                    help="run N engine replicas behind a gateway on Ray Serve, the same routes "
                    "on the same port (needs the cluster extra: pip install -e .[cluster])")
@@ -79,9 +82,14 @@ def add_serve(sub) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    try:
+        check_role_options(args)
+    except ValueError as exc:
+        print(f"specserve serve: {exc}", file=sys.stderr)
+        return 2
     if args.replicas is not None or args.ray_address is not None:
         return run_serve_cluster(args)
-    from .engine import AsyncEngine
+    from .disagg.roles import role_engine, role_routes
     from .engine.core import EngineCore
     from .llm import build_engine_config
     from .model.tp_worker import launch as launch_tensor_parallel
@@ -94,17 +102,18 @@ def run_serve(args: argparse.Namespace) -> int:
         engine_config = build_engine_config(**_engine_options(args))
         workers = launch_tensor_parallel(engine_config)  # tp > 1; other torchrun ranks stay in
         core = EngineCore(engine_config)
+        engine = role_engine(core, args)  # --role prefill/decode: specserve.disagg
     except (FileNotFoundError, ValueError) as exc:  # no demo pair yet, bad folder or option
         print(f"specserve serve: {exc}", file=sys.stderr)
         if workers is not None:
             workers.shutdown()
         return 2
-    engine = AsyncEngine(core)
     limits = ServerLimits.for_engine(engine, max_queued_requests=args.max_queued_requests,
                                      max_request_bytes=args.max_request_bytes)
     hosts = default_allowed_hosts(args.host, args.allowed_hosts.split(","))
     app = create_app(engine, api_key=args.api_key, allowed_origins=args.allowed_origin,
-                     model_name=_model_name(args), limits=limits, allowed_hosts=hosts)
+                     model_name=_model_name(args), limits=limits, allowed_hosts=hosts,
+                     extra_routes=role_routes(engine))
     server = DrainingServer(uvicorn_config(app, args.host, args.port, args.log_level),
                             app.state.server.admission, args.drain_timeout)
     if workers is not None:  # a dead rank ends the server at once instead of failing requests

@@ -92,7 +92,7 @@ class PrefillHandoff:
         with self._lock:
             self._held[req.request_id] = HeldKV(list(req.block_table), meta, hidden,
                                                 req.generator.get_state(), time.monotonic())
-        self._expire()
+        self.expire()
 
     # ---- any thread -----------------------------------------------------------------------
     def held(self, request_id: str) -> HeldKV | None:
@@ -121,7 +121,7 @@ class PrefillHandoff:
         if held is not None:
             self.run_on_engine(_free(held.block_ids))
 
-    def _expire(self) -> None:
+    def expire(self) -> None:
         """Free transfers nobody came for (a decode server that died before reading)."""
         now = time.monotonic()
         with self._lock:

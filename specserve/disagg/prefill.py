@@ -13,6 +13,7 @@ behind the server's usual guard (API key, hosts), and only a decode server calls
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 
 import msgspec
@@ -55,14 +56,24 @@ class PrefillEngine(AsyncEngine):
         self.handoff = PrefillHandoff(core, self.call_on_engine, ttl_s)
         self.kv_server = TcpKVServer(self.handoff, self.engine_id, kv_host, kv_port,
                                      advertise_host=advertise_host)
+        self._expiry: asyncio.Task | None = None
 
     async def start(self) -> None:
         await super().start()
         self.kv_server.start()
+        self._expiry = asyncio.get_running_loop().create_task(self._expire_forever())
 
     async def shutdown(self) -> None:
+        if self._expiry is not None:
+            self._expiry.cancel()
         self.kv_server.stop()
         await super().shutdown()
+
+    async def _expire_forever(self) -> None:
+        """Free the blocks of transfers nobody came for, even while no new prompt arrives."""
+        while True:
+            await asyncio.sleep(self.handoff.ttl_s / 4)
+            self.handoff.expire()
 
     async def prefill(self, prompt_token_ids: list[int], sampling: dict,
                       speculation=None) -> dict:

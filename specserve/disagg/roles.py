@@ -36,12 +36,19 @@ def add_role_options(p: argparse.ArgumentParser) -> None:
                    "fails (default: 120)")
 
 
-def role_engine(core: EngineCore, args: argparse.Namespace) -> AsyncEngine:
-    """The engine of `args.role`; ValueError names a bad combination of flags."""
+def check_role_options(args: argparse.Namespace) -> None:
+    """ValueError naming a bad combination of flags (checked before any model loads)."""
     if args.prefill_url and args.role != "decode":
         raise ValueError("--prefill-url is for --role decode")
-    if args.role != "both" and args.tp != 1:
-        raise ValueError("--role prefill/decode does not support --tp yet")
+    if args.role == "decode" and not args.prefill_url:
+        raise ValueError("--role decode needs --prefill-url URL")
+    if args.role != "both" and (args.tp != 1 or getattr(args, "replicas", None) is not None):
+        raise ValueError("--role prefill/decode does not run with --tp or --replicas yet")
+
+
+def role_engine(core: EngineCore, args: argparse.Namespace) -> AsyncEngine:
+    """The engine of `args.role`; ValueError names a bad combination of flags."""
+    check_role_options(args)
     if args.role == "prefill":
         from .prefill import PrefillEngine
 
@@ -52,8 +59,6 @@ def role_engine(core: EngineCore, args: argparse.Namespace) -> AsyncEngine:
     if args.role == "decode":
         from .decode import DecodeEngine, PrefillClient
 
-        if not args.prefill_url:
-            raise ValueError("--role decode needs --prefill-url URL")
         print(f"specserve: decode role; prompts prefilled on {', '.join(args.prefill_url)}",
               file=sys.stderr, flush=True)
         return DecodeEngine(core, PrefillClient(args.prefill_url, args.api_key,

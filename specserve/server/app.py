@@ -62,11 +62,13 @@ def create_app(engine: AsyncEngine, *, api_key: str | None = None,
                allowed_origins: Iterable[str] | None = None, model_name: str | None = None,
                limits: ServerLimits | None = None,
                static_dir: str | Path | None = None,
-               allowed_hosts: Iterable[str] | None = LOOPBACK_NAMES) -> Starlette:
+               allowed_hosts: Iterable[str] | None = LOOPBACK_NAMES,
+               extra_routes: Iterable[Route] = ()) -> Starlette:
     """The app for one engine. The engine starts and stops with the app's lifespan.
 
     `allowed_hosts`: the names the Host header may carry (`hosts.default_allowed_hosts` says
-    which follow from a bind address); None accepts any.
+    which follow from a bind address); None accepts any. `extra_routes`: a role's own (the
+    prefill route of `specserve.disagg`).
     """
     name = model_name or default_model_name(engine)
     guard = Guard(api_key, allowed_origins)
@@ -102,6 +104,7 @@ def create_app(engine: AsyncEngine, *, api_key: str | None = None,
         Route("/detokenize", tokenize_api.detokenize, methods=["POST"]),
         Route("/tokenizer_info", tokenize_api.tokenizer_info),
         WebSocketRoute("/v1/ws", websocket_endpoint),
+        *extra_routes,
         Route("/", index),
         Mount("/static", StaticFiles(directory=static, check_dir=False), name="static"),
     ]

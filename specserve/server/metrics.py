@@ -137,7 +137,10 @@ def request_metrics(m: dict | None) -> dict:
     n_out = m.get("num_output_tokens", 0)
     decode_s = m["e2e_s"] - m["ttft_s"]
     replica = {"replica": m["replica"]} if "replica" in m else {}  # set behind a cluster gateway
-    return {**replica,
+    # Set on a decode server when the prompt's KV came from a prefill server.
+    transfer = ({"kv_transfer_ms": round(m["kv_transfer_ms"], 3)} if "kv_transfer_ms" in m
+                else {})
+    return {**replica, **transfer,
         "queue_ms": round(m["queue_s"] * 1e3, 3),
         "ttft_ms": round(m["ttft_s"] * 1e3, 3),
         "e2e_ms": round(m["e2e_s"] * 1e3, 3),

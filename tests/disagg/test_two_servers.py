@@ -65,7 +65,7 @@ def test_prefill_and_decode_servers(tiny_target, tiny_draft, tmp_path):
             results = [client.complete(p, temperature=0, max_output_tokens=12,
                                        ignore_eos=True).result() for p in PROMPTS]
             assert [r.text for r in results] == expected
-            assert all(r.status == "completed" and r.metrics["kv_transfer_ms"] > 0
+            assert all(r.reason == "max_output_tokens" and r.metrics["kv_transfer_ms"] > 0
                        for r in results)
 
             _stop(prefill)
