@@ -40,6 +40,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize as gguf_dequantize
 
+from ..kernels.quant_reference import FORMATS, QuantizedWeight
+from ..kernels.quant_reference import dequantize as dequantize_blocks
 from .architectures import ArchSpec
 from .gguf_convert import CONVERSIONS, convert
 
@@ -109,6 +111,12 @@ class GGUFTensor:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The tensor's values as `dtype`, shape `self.shape`."""
+        fmt = FORMATS.get(self.ggml_type.name)
+        if fmt is not None and len(self.shape) == 2:
+            # The kernels' own dequantization: the same fp32 products as gguf's, in torch
+            # (several times faster on a 262k-row embedding).
+            blocks = torch.from_numpy(np.array(self.raw))  # [rows, bytes], off the read-only map
+            return dequantize_blocks(QuantizedWeight(fmt, blocks, self.shape), dtype)
         values = gguf_dequantize(self.raw, self.ggml_type)  # float32 [rows, cols]
         if not values.flags.writeable:  # a float32 view of the read-only memory map
             values = values.copy()
