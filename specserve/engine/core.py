@@ -39,7 +39,7 @@ from ..speculation.suffix import SuffixProposer
 from ..speculation.tree import TokenTree, build_tree_buffers, node_depths
 from ..speculation.verify import Verdict, verify_greedy, verify_sampled
 from ..structured.compiler import GrammarCompiler
-from ..structured.matcher import RequestGrammar, apply_mask
+from ..structured.matcher import RequestGrammar, apply_bitmask
 from ..validation import RequestLimits, check_lengths, check_prompt_ids
 from .block_manager import BlockManager
 from .interface import EngineLimits, EngineStats, KVPoolStats, ModelInfo
@@ -352,7 +352,7 @@ class EngineCore:
         if grammar is None or lg.shape[0] == 0:
             return lg
         tree = trees.get(req.request_id) or TokenTree([seg.token_ids[-1]], [-1])
-        return apply_mask(lg, grammar.tree_mask(tree))
+        return apply_bitmask(lg, grammar.tree_bitmask(tree), grammar.vocab_size)
 
     def _score(self, scheduled: list[ScheduledRequest], segments: list[Segment],
                logits: list[torch.Tensor], hidden: list[torch.Tensor],

@@ -33,12 +33,23 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return bits.view(n, -1)[:, :vocab_size]
 
 
-def apply_mask(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """logits [n, V'] with disallowed tokens at -inf (a new tensor; V' may exceed the mask's V
-    when the model pads its vocabulary: the padding is never allowed)."""
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, vocab_size: int
+                  ) -> torch.Tensor:
+    """logits [n, V'] -> a float32 copy with the tokens the bitmask [n, W] disallows at -inf.
+
+    Fast path: xgrammar's CPU kernel reads the bits in place (2-3x faster than unpacking them
+    to booleans first, measured at V = 49,152). Fallback, for logits wider than the grammar's
+    vocabulary (a model that pads its embedding further than its draft's): unpack, and never
+    allow the padding.
+    """
+    if logits.shape[-1] == vocab_size:
+        out = logits.to(torch.float32, copy=True)
+        xgr.apply_token_bitmask_inplace(out, bitmask)
+        return out
+    allowed = unpack_bitmask(bitmask, min(vocab_size, logits.shape[-1]))  # [n, V]
+    out = torch.full(logits.shape, float("-inf"))
     vocab = allowed.shape[-1]
-    out = logits.new_full(logits.shape, float("-inf"))
-    out[..., :vocab] = logits[..., :vocab].masked_fill(~allowed, float("-inf"))
+    out[..., :vocab] = logits[..., :vocab].float().masked_fill(~allowed, float("-inf"))
     return out
 
 
@@ -96,7 +107,7 @@ class RequestGrammar:
         row = self.row(_path(tokens, parents, node))
         if row is None:  # a greedy draft's -inf child: pruned before verification anyway
             return logits
-        return apply_mask(logits[None], unpack_bitmask(row[None], self.vocab_size))[0]
+        return apply_bitmask(logits[None], row[None], self.vocab_size)[0]
 
     def prune(self, tree: TokenTree) -> TokenTree:
         """The tree without the nodes the grammar rejects (and their subtrees)."""
@@ -117,12 +128,10 @@ class RequestGrammar:
             draft_rows=[tree.draft_rows[i] for i in keep] if tree.draft_rows is not None
             else None)
 
-    def tree_mask(self, tree: TokenTree) -> torch.Tensor:
-        """allowed [n, V]: the tokens the grammar allows after each node of a pruned tree."""
-        rows = []
-        for i in range(len(tree)):
-            rows.append(self.row(_path(tree.tokens, tree.parents, i)))
-        return unpack_bitmask(torch.stack(rows), self.vocab_size)  # [n, V]
+    def tree_bitmask(self, tree: TokenTree) -> torch.Tensor:
+        """[n, W] int32: the tokens the grammar allows after each node of a pruned tree."""
+        return torch.stack([self.row(_path(tree.tokens, tree.parents, i))
+                            for i in range(len(tree))])
 
     # ---- commits --------------------------------------------------------------------------
     def commit(self, token: int) -> bool:

@@ -210,3 +210,21 @@ def test_websocket_structured_field(server):
         assert error["type"] == "error" and error["code"] == "invalid_field", error
         assert error["param"] == "response.structured", error
     assert "parenthesis" in events["bad"][-1]["message"]
+
+
+def test_sdk_parse_with_a_pydantic_model(oai):
+    """The SDK's `parse` (what LangChain's `with_structured_output` uses): a strict json_schema
+    from a pydantic model, parsed back into the model."""
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        name: str = Field(max_length=12)
+        population: int
+        size: Literal["small", "large"]
+
+    out = oai.chat.completions.parse(model="tiny", messages=ASK, response_format=City,
+                                     temperature=0, max_tokens=80)
+    city = out.choices[0].message.parsed
+    assert isinstance(city, City) and city.size in ("small", "large")
