@@ -4,7 +4,7 @@ A decode or verify step reads every weight once. In 4 KiB pages that is a TLB mi
 of weights (in a virtual machine a two-level page walk), which the matrix kernels pay on top of
 their arithmetic. On a 2-core Zen 3 VM, best of 21, the widened model's 24 layers of products:
 1 row 25.7 -> 24.5 ms, 5 rows 37.7 -> 34.3 ms; its whole forward 1.04x (1 row) and 1.05x
-(5 rows) faster (`python -m bench.huge_pages`).
+(5 rows) faster (`python -m bench kernels --pages 4k,2m`).
 
 `move_to_huge_pages` copies every parameter and buffer of a CPU model into one anonymous
 mapping advised MADV_HUGEPAGE (what `/sys/kernel/mm/transparent_hugepage/enabled` = madvise, the
