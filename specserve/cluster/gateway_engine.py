@@ -164,6 +164,10 @@ class ClusterEngine:
         stream = self._streams[request_id] = RemoteStream(self, request_id, ids)
         turn = Turn(ids, params, request_id, speculation, _session(request_id))
         stream.task = asyncio.get_running_loop().create_task(self._pump(stream, turn))
+        # A task cancelled before it first ran never enters _pump's handlers: end it here.
+        stream.task.add_done_callback(
+            lambda _: self._deliver(stream, RequestDelta(request_id, [], "",
+                                                         finish_reason="abort")))
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -188,7 +192,8 @@ class ClusterEngine:
                 except _REPLICA_GONE as exc:
                     if sent_any or attempt == self.retries:
                         log.warning("request %s: replica failed: %s", rid, exc)
-                        self._deliver(stream, _error(rid, f"engine replica failed: {exc}"))
+                        self._deliver(stream, _error(rid, f"the engine replica serving this "
+                                                          f"request failed ({type(exc).__name__})"))
                         return
                     await asyncio.sleep(0.1 * (attempt + 1))  # Ray drops the dead replica
         except asyncio.CancelledError:
