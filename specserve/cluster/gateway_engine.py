@@ -132,14 +132,14 @@ class ClusterEngine:
         return total
 
     def kv_pool(self) -> KVPoolStats:
-        """The replicas' pools together; the hit rate is the replicas' mean (each reports a
-        rate, not its lookups)."""
+        """The replicas' pools together. Each replica reports a hit rate, not its lookups, so
+        the rates are weighted by the requests each replica finished."""
         reports = list(self.replica_reports().values())
-        if not reports:
-            return KVPoolStats(0, 0, 0.0)
+        finished = sum(r["stats"]["num_finished"] for r in reports)
+        hit_rate = (sum(r["prefix_hit_rate"] * r["stats"]["num_finished"] for r in reports)
+                    / finished if finished else 0.0)
         return KVPoolStats(sum(r["num_blocks"] for r in reports),
-                           sum(r["num_free_blocks"] for r in reports),
-                           sum(r["prefix_hit_rate"] for r in reports) / len(reports))
+                           sum(r["num_free_blocks"] for r in reports), hit_rate)
 
     def parse_speculation(self, value) -> SpecMode:
         return parse_speculation(value, self._model_info.has_draft)

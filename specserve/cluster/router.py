@@ -13,8 +13,10 @@ it has no conversation stickiness.
 
 Order of preference for one request:
 1. its conversation's replica (`Turn.session`), while that replica is alive and not full;
-2. the replica with the longest block match, unless its queue exceeds the shortest queue by
-   more than `imbalance_threshold` requests;
+2. the replica with the longest block match, when the match covers at least
+   `min_match_fraction` of the prompt (a shared chat template alone should not pull every
+   request to one replica) and its queue exceeds the shortest queue by at most
+   `imbalance_threshold` requests;
 3. every replica, the shortest queue first (Ray's own choice among a rank).
 """
 
@@ -67,12 +69,14 @@ class ReplicaBlocks:
 class PrefixAffinityRouter(RequestRouter):
     """Ray Serve request router for the engine replicas (see the module docstring)."""
 
-    def initialize_state(self, imbalance_threshold: int = 4, blocks_per_replica: int = 65536,
-                         max_sessions: int = 100_000) -> None:
-        if imbalance_threshold < 0 or blocks_per_replica < 1 or max_sessions < 1:
-            raise ValueError("imbalance_threshold must be >= 0, blocks_per_replica and "
-                             "max_sessions >= 1")
+    def initialize_state(self, imbalance_threshold: int = 2, min_match_fraction: float = 0.5,
+                         blocks_per_replica: int = 65536, max_sessions: int = 100_000) -> None:
+        if imbalance_threshold < 0 or not 0 <= min_match_fraction <= 1 \
+                or blocks_per_replica < 1 or max_sessions < 1:
+            raise ValueError("imbalance_threshold must be >= 0, min_match_fraction in [0, 1], "
+                             "blocks_per_replica and max_sessions >= 1")
         self.imbalance_threshold = imbalance_threshold
+        self.min_match_fraction = min_match_fraction
         self.blocks_per_replica = blocks_per_replica
         self.max_sessions = max_sessions
         self.blocks: dict[ReplicaID, ReplicaBlocks] = {}
@@ -112,7 +116,8 @@ class PrefixAffinityRouter(RequestRouter):
             n = record.match(hashes) if record is not None else 0
             if n > best_len:
                 best, best_len = replica, n
-        if best is not None:
+        worth_it = best_len * BLOCK_SIZE >= self.min_match_fraction * len(turn.prompt_token_ids)
+        if best is not None and worth_it:
             shortest = min(self._queue_len(r) for r in candidate_replicas)
             if self._queue_len(best) - shortest <= self.imbalance_threshold:
                 others.remove(best)
