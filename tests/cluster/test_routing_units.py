@@ -57,3 +57,62 @@ def test_cluster_options_refuse_bad_replica_counts(bad):
 def test_cli_refuses_bad_cluster_flags_before_ray_starts(argv, message, capsys):
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+# ---- the routing policy, over fake replicas ---------------------------------------------------
+class FakeReplica:
+    def __init__(self, name: str) -> None:
+        self.replica_id = name
+        self.max_ongoing_requests = 8
+
+
+class FakeRequest:
+    def __init__(self, turn) -> None:
+        self.args = [turn]
+
+
+def make_router(queues: dict[str, int]):
+    from specserve.cluster.router import PrefixAffinityRouter
+
+    router = PrefixAffinityRouter.__new__(PrefixAffinityRouter)  # no Serve handle around it
+    router.initialize_state()
+    router._replica_queue_len_cache = queues  # what `replica_queue_len_cache` reads
+    return router
+
+
+def turn(ids: list[int], session: str | None = None):
+    from specserve.cluster.replica import Turn
+    from specserve.sampling import SamplingParams
+
+    return Turn(ids, SamplingParams(max_tokens=4), "r", None, session)
+
+
+def choose(router, replicas, t) -> list[list[str]]:
+    import asyncio
+
+    ranks = asyncio.run(router.choose_replicas(replicas, FakeRequest(t)))
+    return [[r.replica_id for r in rank] for rank in ranks]
+
+
+def test_router_prefers_the_replica_holding_the_prefix_unless_its_queue_is_clearly_longer():
+    a, b = FakeReplica("a"), FakeReplica("b")
+    queues = {"a": 0, "b": 0}
+    router = make_router(queues)
+    prompt = list(range(64))  # 4 blocks
+    assert choose(router, [a, b], turn(prompt)) == [["a", "b"]]  # nothing cached: by load
+    router.on_request_routed(FakeRequest(turn(prompt)), "b", None)
+    assert choose(router, [a, b], turn(prompt[:48] + [7] * 16)) == [["b"], ["a"]]
+    queues["b"] = 3  # 3 more than a: past the imbalance threshold (2)
+    assert choose(router, [a, b], turn(prompt)) == [["a", "b"]]
+    queues["b"] = 2
+    assert choose(router, [a, b], turn(prompt)) == [["b"], ["a"]]
+    # A match under half the prompt (one shared block of five) goes by load.
+    assert choose(router, [a, b], turn(prompt[:16] + [9] * 64)) == [["a", "b"]]
+
+
+def test_router_keeps_a_conversation_on_its_replica_while_it_lives():
+    a, b = FakeReplica("a"), FakeReplica("b")
+    router = make_router({"a": 0, "b": 0})
+    router.on_request_routed(FakeRequest(turn([1] * 20, "s1")), "a", None)
+    assert choose(router, [a, b], turn([5] * 40, "s1")) == [["a"], ["b"]]
+    assert choose(router, [b], turn([5] * 40, "s1")) == [["b"]]  # a is gone: any other
