@@ -141,7 +141,7 @@ class DecodeEngine(AsyncEngine):
             self._deliver([RequestDelta(rid, [], "", finish_reason="abort",
                                         metrics=req.metrics(), time=time.monotonic())])
             raise
-        except (PrefillUnavailable, TransferError, ValueError, KeyError) as exc:
+        except Exception as exc:  # whatever it was, the client gets an error, never a hang
             log.warning("remote prefill of %s failed: %s", rid, exc)
             self._deliver([RequestDelta(rid, [], "", finish_reason="error",
                                         error=f"prefill failed: {exc}", metrics=req.metrics(),

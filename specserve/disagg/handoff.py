@@ -78,6 +78,9 @@ class PrefillHandoff:
     def hold(self, req: Request) -> None:
         """Snapshot a finished prefill-only request; its blocks stay referenced."""
         core, n = self.core, len(req.prompt_token_ids)
+        # Its last chunk's full blocks join the prefix cache too (a colocated request caches
+        # them on its next step; this one has none), so a later prompt can share them.
+        core.scheduler.cache_full_blocks(req)
         proposer = core.proposer
         hidden, hidden_start = None, n
         if proposer is not None and proposer.reads_target_hidden:

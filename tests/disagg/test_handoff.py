@@ -150,3 +150,15 @@ def test_a_transfer_that_does_not_fit_is_refused(trio):
     with pytest.raises(ValueError, match="does not fit a request"):
         import_prefilled(dec.engine, req, payload)
     dec.engine.block_manager.check_no_leak()
+
+
+def test_prefix_cache_hits_on_the_prefill_side(tiny_target, tiny_draft):
+    """A prompt that shares a prefix with an earlier one is read from the prefill engine's prefix
+    cache; the KV it sends is the same, and so is the output."""
+    colocated, pre, dec = (LLM(tiny_target, tiny_draft, **OPTIONS) for _ in range(3))
+    second = LONG + [9, 10, 11]
+    expected = colocated.generate([second], GREEDY, speculation="chain:3")[0].token_ids
+    prefill(pre, LONG, GREEDY, "chain:3")
+    payload = prefill(pre, second, GREEDY, "chain:3")
+    assert pre.engine.block_manager.prefix_hits == len(LONG) // 8  # every full block
+    assert decode(dec, [(second, GREEDY, "chain:3", payload)]) == [expected]
