@@ -1,8 +1,8 @@
 """Structured output on CPU: grammar cost per token and acceptance, constrained vs free.
 
-    python scripts/measure_structured.py [--model demo|default] [--tokens N]
+    python scripts/measure_structured.py [--model demo|default] [--tokens N] [--modes off,default]
 
-For each speculation mode (off, the engine's default) it runs the same chat prompts free and
+For each speculation mode (off and the engine's default unless --modes names others) it runs the same chat prompts free and
 under a JSON schema whose keys and constants are long literals, greedy, and prints tokens/s,
 acceptance length, and the time spent in grammar work (path masks, applying them) per output
 token and as a share of the run. The grammar work is timed by wrapping the engine's and
@@ -48,6 +48,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="demo", choices=["demo", "default"])
     parser.add_argument("--tokens", type=int, default=96)
+    parser.add_argument("--modes", default="off,default",
+                        help="comma-separated speculation spellings; 'default': the engine's")
     args = parser.parse_args()
     # The outermost grammar calls only (they do not nest): the target's masks and their
     # application, the draft's masked logits, tree pruning, commits.
@@ -63,7 +65,8 @@ def main() -> None:
           f"{len(PROMPTS)} prompts x <= {args.tokens} tokens, greedy")
     print(f"{'mode':>10} {'output':>10} {'tok/s':>7} {'tau':>5} {'grammar us/tok':>15} "
           f"{'grammar share':>14}")
-    for mode in ("off", None):
+    modes = [None if m == "default" else m for m in args.modes.split(",")]
+    for mode in modes:
         for label, structured in (("free", None), ("schema", spec)):
             params = SamplingParams(temperature=0, max_tokens=args.tokens,
                                     structured=structured)
