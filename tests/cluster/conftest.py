@@ -41,9 +41,10 @@ def cluster(tiny_target: Path):
             engine_options={"target": str(tiny_target), "draft": str(tiny_target),
                             "speculation": SPEC, "num_blocks": NUM_BLOCKS},
             num_replicas=NUM_REPLICAS, app_options={"model_name": "tiny"},
-            cpus_per_replica=0.5, stats_period_s=0.2)
+            cpus_per_replica=0.5, stats_period_s=0.2, drain_timeout_s=2)
         serve.run(build_application(options), name="specserve", route_prefix="/")
         yield Cluster(port)
     finally:
-        serve.shutdown()
+        # The local cluster goes whole (its Serve actors with it): serve.shutdown() would first
+        # wait for the replica the fault test killed to finish restarting.
         ray.shutdown()
