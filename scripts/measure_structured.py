@@ -2,11 +2,11 @@
 
     python scripts/measure_structured.py [--model demo|default] [--tokens N] [--modes off,default]
 
-For each speculation mode (off and the engine's default unless --modes names others) it runs the same chat prompts free and
-under a JSON schema whose keys and constants are long literals, greedy, and prints tokens/s,
-acceptance length, and the time spent in grammar work (path masks, applying them) per output
-token and as a share of the run. The grammar work is timed by wrapping the engine's and
-RequestGrammar's entry points here; the engine is unchanged.
+For each speculation mode (off and the engine's default unless --modes names others) it runs
+the same chat prompts free and under a JSON schema whose keys and constants are long literals,
+greedy, and prints tokens/s, acceptance length, and the time spent in grammar work (path
+masks, applying them) per output token and as a share of the run. The grammar work is timed
+by wrapping the engine's and RequestGrammar's entry points here; the engine is unchanged.
 """
 
 from __future__ import annotations
