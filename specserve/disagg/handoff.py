@@ -90,7 +90,9 @@ class PrefillHandoff:
             hidden = proposer.target_hidden.inputs(req.request_id, hidden_start + 1, n + 1)
         meta = TransferMeta(num_prompt_tokens=n, first_token=req.output_token_ids[0],
                             block_size=core.block_manager.block_size,
-                            num_draft_computed=min(req.num_draft_computed, n),
+                            # (without a draft the count is the target's: nothing to send)
+                            num_draft_computed=(min(req.num_draft_computed, n)
+                                                if proposer is not None else 0),
                             hidden_start=hidden_start)
         with self._lock:
             self._held[req.request_id] = HeldKV(list(req.block_table), meta, hidden,

@@ -36,6 +36,12 @@ PREFILL_PATH = "/v1/disagg/prefill"
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed")
 
 
+def prefill_params(sampling: dict) -> SamplingParams:
+    """A prefill-only request's params: the decode request's sampling fields, one token."""
+    return SamplingParams(**{k: v for k, v in sampling.items() if k in SAMPLING_FIELDS},
+                          max_tokens=1, ignore_eos=True)
+
+
 class PrefillRequestBody(msgspec.Struct, forbid_unknown_fields=True):
     prompt_token_ids: list[int]
     sampling: dict[str, float | int | None] = {}
@@ -79,9 +85,7 @@ class PrefillEngine(AsyncEngine):
                       speculation=None) -> dict:
         """Prefill one prompt; the answer with its first token and `kv_transfer_params`.
         ValueError on bad input, PrefillError when no first token came."""
-        params = SamplingParams(**{k: v for k, v in sampling.items() if k in SAMPLING_FIELDS},
-                                max_tokens=1, ignore_eos=True)
-        req = self.core.make_request(prompt_token_ids, params,
+        req = self.core.make_request(prompt_token_ids, prefill_params(sampling),
                                      f"pf-{secrets.token_hex(8)}", speculation)
         req.kv_hold = True
         error = "the prefill ended without a first token"

@@ -169,6 +169,10 @@ class TcpKVServer:
                         f"no prefilled KV waits under {request_id!r} (already taken, expired "
                         f"or never made)")))
                     return
+                except Exception as exc:  # a bug: the decode side gets its message, not EOF
+                    log.exception("export of %s failed", request_id)
+                    conn.sendall(encode_header(ErrorReply(f"export failed: {exc}")))
+                    return
                 send_payload(conn, payload)
             except (OSError, ProtocolError) as exc:
                 log.warning("KV transfer %s failed: %s", request_id, exc)

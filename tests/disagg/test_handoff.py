@@ -11,6 +11,7 @@ import pytest
 
 from specserve import LLM, SamplingParams
 from specserve.disagg.handoff import PrefillHandoff, import_prefilled
+from specserve.disagg.prefill import SAMPLING_FIELDS, prefill_params
 from specserve.disagg.transport import KVPayload, receive_payload, send_payload
 from tests.engine.test_engine import mixed_prompts
 from tests.speculation.test_eagle_draft import save_eagle
@@ -48,9 +49,8 @@ def prefill(llm: LLM, prompt, params: SamplingParams, speculation) -> KVPayload:
     """What a prefill server does for one prompt, run inline."""
     core = llm.engine
     handoff = PrefillHandoff(core, run_on_engine=lambda fn: fn(core))
-    req = core.make_request(prompt, SamplingParams(temperature=params.temperature,
-                                                   seed=params.seed, max_tokens=1,
-                                                   ignore_eos=True), speculation=speculation)
+    sampling = {k: getattr(params, k) for k in SAMPLING_FIELDS}  # what a decode server sends
+    req = core.make_request(prompt, prefill_params(sampling), speculation=speculation)
     req.kv_hold = True
     core.add(req)
     while core.has_work:
@@ -91,7 +91,7 @@ def test_disaggregated_equals_colocated(trio, mode):
 def test_the_draft_state_travels(trio):
     """A draft model's prompt KV comes along; an EAGLE draft's target states do instead."""
     _, pre, _ = trio
-    prompt = LONG
+    prompt = LONG[::-1]  # not prefilled before: no prefix-cache hit (whose rows are zeros)
     payload = prefill(pre, prompt, GREEDY, "chain:3")
     n = len(prompt)
     assert payload.meta.num_prompt_tokens == n
@@ -110,8 +110,11 @@ def test_seeded_sampling_continues_the_same_stream(trio):
     params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=16,
                             ignore_eos=True)
     prompt = mixed_prompts(1, seed=21)[0]
-    expected = colocated.generate([prompt], params)[0].token_ids
-    assert decode(dec, [(prompt, params, None, prefill(pre, prompt, params, None))]) == [expected]
+    # A fixed mode: adaptive speculation picks chain lengths from each engine's own timings,
+    # and the draft's proposals decide which random draws a sampled step makes.
+    mode = "chain:3"
+    expected = colocated.generate([prompt], params, speculation=mode)[0].token_ids
+    assert decode(dec, [(prompt, params, mode, prefill(pre, prompt, params, mode))]) == [expected]
 
 
 def test_first_token_that_ends_the_request(trio):
