@@ -1,6 +1,6 @@
 """Structured output on CPU: grammar cost per token and acceptance, constrained vs free.
 
-    python scripts/measure_structured.py [--model demo|default] [--tokens N] [--modes off,default]
+    python -m bench structured [--model demo|default] [--tokens N] [--modes off,default]
 
 For each speculation mode (off and the engine's default unless --modes names others) it runs
 the same chat prompts free and under a JSON schema whose keys and constants are long literals,
@@ -44,13 +44,13 @@ def timed(fn):
     return wrapper
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="demo", choices=["demo", "default"])
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--modes", default="off,default",
                         help="comma-separated speculation spellings; 'default': the engine's")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     # The outermost grammar calls only (they do not nest): the target's masks and their
     # application, the draft's masked logits, tree pruning, commits.
     EngineCore._mask_logits = timed(EngineCore._mask_logits)
@@ -79,7 +79,8 @@ def main() -> None:
             print(f"{str(mode or llm.engine.default_mode):>10} {label:>10} "
                   f"{tokens / wall:7.1f} {tokens / forwards:5.2f} "
                   f"{grammar_time[0] / tokens * 1e6:15.1f} {grammar_time[0] / wall:14.1%}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
