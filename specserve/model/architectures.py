@@ -8,8 +8,7 @@ w for a multiplier of 1 + w (the loader adds the 1 once), embeddings scaled by s
 its own attention scale (query_pre_attn_scalar), sliding-window layers (`layer_types`) with their
 own rotary base, and optional tanh soft-capping of the final logits (a config's
 attn_logit_softcapping is ignored, as transformers' and llama.cpp's Gemma 3 ignore it). Mistral's
-single `sliding_window` is not applied (a request past it would differ from the checkpoint's
-semantics).
+`sliding_window`, when set, applies to every layer.
 """
 
 from __future__ import annotations
@@ -149,9 +148,12 @@ def _per_layer_type_rope(config) -> bool:
 
 
 def _layer_windows(config, arch: str) -> tuple[int | None, ...]:
-    """Each layer's sliding window from `layer_types` (Qwen3, Gemma 3); () for all global."""
+    """Each layer's sliding window: from `layer_types` (Qwen3, Gemma 3), Mistral's one window
+    for all; () for all global."""
     types = getattr(config, "layer_types", None)
     window = getattr(config, "sliding_window", None)
+    if arch == "MistralForCausalLM" and window:
+        return (window,) * config.num_hidden_layers
     if arch not in ("Qwen3ForCausalLM", "Gemma3ForCausalLM") or not types or not window:
         return ()
     unknown = set(types) - {"sliding_attention", "full_attention"}

@@ -17,6 +17,7 @@ CASES = {
                                            "rope_scaling": LLAMA3_ROPE}),
     "qwen2-bias": ("qwen2", {}),
     "mistral": ("mistral", {"num_key_value_heads": 4}),
+    "mistral-sliding": ("mistral", {"sliding_window": 6}),
     "qwen3-qknorm": ("qwen3", {}),
     "gemma3-sliding": ("gemma3", {}),
     "gemma3-tied-softcap-linear-rope": ("gemma3", {
