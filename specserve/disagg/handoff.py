@@ -70,7 +70,8 @@ class PrefillHandoff:
         self.core = core
         self.run_on_engine = run_on_engine
         self.ttl_s = ttl_s
-        self._held: dict[str, HeldKV] = {}
+        self._held: dict[str, HeldKV] = {}  # waiting for a pull
+        self._sending: dict[str, HeldKV] = {}  # being read by a pull
         self._lock = threading.Lock()
         core.scheduler.hold_kv = self.hold
 
@@ -105,9 +106,11 @@ class PrefillHandoff:
             return self._held.get(request_id)
 
     def export(self, request_id: str) -> KVPayload:
-        held = self.held(request_id)
-        if held is None:
-            raise KeyError(request_id)
+        with self._lock:  # claimed: expiry can no longer free the blocks under the read
+            held = self._held.pop(request_id, None)
+            if held is None:
+                raise KeyError(request_id)
+            self._sending[request_id] = held
         meta, core = held.meta, self.core
         bs = meta.block_size
         tensors = {"target_kv": core.runner.read_blocks(
@@ -122,7 +125,7 @@ class PrefillHandoff:
 
     def release(self, request_id: str) -> None:
         with self._lock:
-            held = self._held.pop(request_id, None)
+            held = self._held.pop(request_id, None) or self._sending.pop(request_id, None)
         if held is not None:
             self.run_on_engine(_free(held.block_ids))
 
@@ -138,7 +141,7 @@ class PrefillHandoff:
     @property
     def num_held(self) -> int:
         with self._lock:
-            return len(self._held)
+            return len(self._held) + len(self._sending)
 
 
 def _free(block_ids: list[int]) -> Callable[[EngineCore], list]:
