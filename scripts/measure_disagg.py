@@ -2,6 +2,7 @@
 of running chats while a long prompt arrives, colocated vs split.
 
     python scripts/measure_disagg.py [--target PATH --draft PATH] [--sizes 256,1024,2048]
+    python scripts/measure_disagg.py --wire-only 30,3,64,576 --sizes 256,1024,2048
 
 Two engines of the same model: a prefill engine (its `PrefillHandoff` behind a real
 `TcpKVServer` on loopback) and a decode engine. The roles run one after the other, never side
@@ -21,10 +22,12 @@ import random
 import statistics
 import time
 
+import torch
+
 from specserve import LLM, SamplingParams
 from specserve.disagg.handoff import PrefillHandoff, import_prefilled
-from specserve.disagg.protocol import KVTransferParams
-from specserve.disagg.transport import TcpKVClient, TcpKVServer
+from specserve.disagg.protocol import KVTransferParams, TransferMeta
+from specserve.disagg.transport import KVPayload, TcpKVClient, TcpKVServer
 
 GREEDY_1 = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 
@@ -90,6 +93,47 @@ def measure_transfer(split: Split, dec: LLM, sizes: list[int], vocab: int) -> No
               f"{statistics.median(steps[1:]) * 1e3 if steps[1:] else 0:>12.1f}")
 
 
+def measure_wire(shape: str, sizes: list[int], block_size: int = 16) -> None:
+    """Pulls of random tensors of a model's KV shape, no model run (`--wire-only`)."""
+    layers, kv_heads, head_dim, hidden = (int(x) for x in shape.split(","))
+
+    class Source:  # one payload at a time, under id "r"
+        payload = None
+
+        def export(self, request_id):
+            return self.payload
+
+        def release(self, request_id):
+            pass
+
+    source = Source()
+    server = TcpKVServer(source, "wire")
+    server.start()
+    try:
+        for n in sizes:
+            blocks = -(-n // block_size)
+            meta = TransferMeta(num_prompt_tokens=n, first_token=1, block_size=block_size,
+                                num_draft_computed=0, hidden_start=0)
+            source.payload = KVPayload(meta, {  # float32 KV, EAGLE draft's target rows
+                "target_kv": torch.randn(layers, 2, blocks, block_size, kv_heads, head_dim),
+                "target_hidden": torch.randn(n, hidden)})
+            best = min(_timed_pull(server) for _ in range(5))
+            mb = source.payload.nbytes / 1e6
+            print(f"{n:>6} tokens {blocks:>4} blocks {mb:>6.1f} MB: pull {best * 1e3:6.1f} ms "
+                  f"(best of 5), {best * 1e6 / n:6.1f} us/token, {best * 1e6 / blocks:7.1f} "
+                  f"us/block, {mb / 1e3 / best:.2f} GB/s")
+    finally:
+        server.stop()
+
+
+def _timed_pull(server: TcpKVServer) -> float:
+    start = time.perf_counter()
+    TcpKVClient().pull(KVTransferParams(remote_engine_id="wire", remote_block_ids=[],
+                                        remote_host=server.host, remote_port=server.port,
+                                        remote_request_id="r"))
+    return time.perf_counter() - start
+
+
 def chat_gaps(dec: LLM, split: Split | None, long_prompt: list[int], chats: int, vocab: int
               ) -> tuple[list[float], float]:
     """The chats' inter-token gaps (s) from the long prompt's arrival until it has 3 tokens,
@@ -143,7 +187,13 @@ def main() -> None:
     p.add_argument("--sizes", default="256,1024,2048")
     p.add_argument("--long", type=int, default=2048, help="the long prompt's tokens")
     p.add_argument("--chats", type=int, default=4)
+    p.add_argument("--wire-only", metavar="L,HKV,D,H",
+                   help="only pulls of random KV of this shape (layers, KV heads, head dim, "
+                   "hidden size; SmolLM2-135M: 30,3,64,576), no model")
     args = p.parse_args()
+    if args.wire_only:
+        measure_wire(args.wire_only, [int(s) for s in args.sizes.split(",")])
+        return
     # No prefix caching: every prompt is computed, however often it repeats here.
     pre, dec = (LLM(args.target, args.draft, enable_prefix_caching=False) for _ in range(2))
     vocab = dec.engine.target.spec.vocab_size
