@@ -45,6 +45,8 @@ SUBCOMMANDS = {
                                       "revisions, page sizes"),
     "gpu-kernels": Subcommand("kernels", "CUDA paged attention and tree verify against SDPA"),
     "tp": Subcommand("tp", "tensor parallelism: tp=1 against tp=N, and the collectives' cost"),
+    "disagg": Subcommand("disagg", "prefill/decode split: KV transfer cost per token and "
+                                   "block, running chats' gaps while a long prompt arrives"),
     "structured": Subcommand("structured", "structured output: grammar cost per token and "
                                            "acceptance, constrained against free"),
     "report": Subcommand("report", "plots of bench/results/current.json into bench/plots/"),

@@ -1,8 +1,8 @@
 """Disaggregated prefill, measured in one process: KV transfer cost, and the inter-token latency
 of running chats while a long prompt arrives, colocated vs split.
 
-    python scripts/measure_disagg.py [--target PATH --draft PATH] [--sizes 256,1024,2048]
-    python scripts/measure_disagg.py --wire-only 30,3,64,576 --sizes 256,1024,2048
+    python -m bench disagg [--target PATH --draft PATH] [--sizes 256,1024,2048]
+    python -m bench disagg --wire-only 30,3,64,576 --sizes 256,1024,2048
 
 Two engines of the same model: a prefill engine (its `PrefillHandoff` behind a real
 `TcpKVServer` on loopback) and a decode engine. The roles run one after the other, never side
@@ -180,8 +180,8 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     p.add_argument("--target")
     p.add_argument("--draft")
     p.add_argument("--sizes", default="256,1024,2048")
@@ -190,10 +190,10 @@ def main() -> None:
     p.add_argument("--wire-only", metavar="L,HKV,D,H",
                    help="only pulls of random KV of this shape (layers, KV heads, head dim, "
                    "hidden size; SmolLM2-135M: 30,3,64,576), no model")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.wire_only:
         measure_wire(args.wire_only, [int(s) for s in args.sizes.split(",")])
-        return
+        return 0
     # No prefix caching: every prompt is computed, however often it repeats here.
     pre, dec = (LLM(args.target, args.draft, enable_prefix_caching=False) for _ in range(2))
     vocab = dec.engine.target.spec.vocab_size
@@ -212,7 +212,8 @@ def main() -> None:
                   f"({len(gaps)} gaps); long prompt TTFT {ttft * 1e3:.0f} ms")
     finally:
         split.server.stop()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
