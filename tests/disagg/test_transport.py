@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 
 import pytest
 import torch
@@ -35,6 +36,14 @@ class FakeSource:
     def release(self, request_id: str) -> None:
         self.released.append(request_id)
         self.payloads.pop(request_id, None)
+
+    def wait_released(self, timeout_s: float = 5.0) -> list[str]:
+        """The server releases after its last send returns, which may be after the client has
+        read everything: wait for it (bounded) instead of racing it."""
+        deadline = time.monotonic() + timeout_s
+        while not self.released and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return self.released
 
 
 def params(server: TcpKVServer, request_id: str, engine_id: str | None = None):
@@ -75,7 +84,7 @@ def test_blocks_round_trip_bit_identical(served, num_blocks, dtype):
         assert got.tensors[name].dtype == tensor.dtype
         assert got.tensors[name].shape == tensor.shape
         assert torch.equal(got.tensors[name].view(torch.uint8), tensor.view(torch.uint8)), name
-    assert source.released == ["r1"]
+    assert source.wait_released() == ["r1"]
 
 
 def test_a_transfer_is_single_use(served):
