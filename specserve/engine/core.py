@@ -560,7 +560,15 @@ def _eos_token_ids(path: Path, tokenizer) -> frozenset[int]:
 
 
 def _check_same_vocabulary(target: Path, draft: Path, tokenizer) -> None:
-    draft_tokenizer = load_tokenizer(draft)
-    if draft_tokenizer.get_vocab() != tokenizer.get_vocab():
-        raise ValueError(f"draft {draft} and target {target} have different tokenizers; "
+    target_vocab, draft_vocab = tokenizer.get_vocab(), load_tokenizer(draft).get_vocab()
+    if draft_vocab != target_vocab:
+        # The first ids where they part: what a user needs to see that these are two families.
+        target_tokens = {i: t for t, i in target_vocab.items()}
+        draft_tokens = {i: t for t, i in draft_vocab.items()}
+        differ = sorted(i for i in target_tokens.keys() | draft_tokens.keys()
+                        if target_tokens.get(i) != draft_tokens.get(i))[:3]
+        examples = ", ".join(f"id {i}: target {target_tokens.get(i)!r}, draft "
+                             f"{draft_tokens.get(i)!r}" for i in differ)
+        raise ValueError(f"draft {draft} ({len(draft_vocab)} tokens) and target {target} "
+                         f"({len(target_vocab)} tokens) have different vocabularies ({examples}); "
                          f"speculation needs one shared vocabulary")

@@ -177,3 +177,12 @@ def test_kv_budget_counts_a_models_cache_in_its_own_dtype(tiny_target, dtype):
     model = load_model(tiny_target, dtype=dtype)
     runner = ModelRunner(model, num_blocks=2, block_size=16)
     assert kv_bytes_per_block(model, 16) == runner.kv_cache[:, :, 0].nbytes
+
+
+def test_a_draft_of_another_vocabulary_is_refused_naming_both(tiny_target):
+    from specserve.named_models import demo_pair
+
+    _, demo_draft = demo_pair()
+    with pytest.raises(ValueError, match=r"\(\d+ tokens\) and target .*\(\d+ tokens\) have "
+                                         r"different vocabularies \(id \d+: target '.*', draft"):
+        LLM(tiny_target, demo_draft)
