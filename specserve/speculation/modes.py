@@ -83,11 +83,16 @@ def best_mode(has_draft: bool, device: str = "cpu") -> SpecMode:
     benchmark pair), so chains beat trees there; `adaptive` picks a chain length per request
     from measured acceptance and costs, needs no per-pair tuning and stops drafting where it
     does not pay. In bench/RESULTS.md it came within 10% of the best fixed chain (chain:4),
-    ahead of it in some runs.
+    ahead of it in some runs. Suffix drafting goes first where the text has occurred before:
+    on the default model (first-generation Zen, 6 held-out questions, 64 tokens, greedy) it
+    committed 1.62 tokens per target forward on second turns against adaptive's 1.04, and the
+    same 1.04 on first turns, with identical tokens.
     """
     if not has_draft:
         return OFF
-    return SpecMode(SpecKind.TREE, DEFAULT_TREE_NODES) if device.startswith("cuda") else ADAPTIVE
+    if device.startswith("cuda"):
+        return SpecMode(SpecKind.TREE, DEFAULT_TREE_NODES)
+    return SpecMode(SpecKind.SUFFIX, DEFAULT_SUFFIX_NODES, fallback=ADAPTIVE)
 
 
 def parse_speculation(value, has_draft: bool, device: str = "cpu") -> SpecMode:

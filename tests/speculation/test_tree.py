@@ -60,7 +60,9 @@ def test_named_static_trees_are_valid():
 
 def test_speculation_spellings():
     assert parse_speculation(None, has_draft=False).kind == "off"
-    assert parse_speculation(None, has_draft=True).kind == "adaptive"  # CPU: see best_mode
+    cpu_default = parse_speculation(None, has_draft=True)  # see best_mode
+    assert cpu_default.kind == "suffix" and cpu_default.fallback.kind == "adaptive"
+    assert str(cpu_default) == "suffix:8+adaptive"
     assert parse_speculation(None, has_draft=True, device="cuda:0").kind == "tree"
     assert str(parse_speculation("chain:4", True)) == "chain:4"
     assert parse_speculation("tree:32", True).num_tokens == 32
