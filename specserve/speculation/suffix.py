@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .modes import SpecMode
-from .proposers import Proposal, ProposerInput
+from .proposers import Proposal, ProposerInput, _chain_slots
 from .tree import TokenTree
 
 KEY_SIZES = (2, 4, 8)  # n-gram lengths indexed; the longest that occurred is looked up first
@@ -224,9 +224,7 @@ class SuffixProposer:
         self._last.pop(request_id, None)
 
     def spec_slots(self, mode: SpecMode, remaining_tokens: int) -> int:
-        if not mode.enabled or remaining_tokens <= 1:
-            return 0
-        return min(mode.num_tokens, remaining_tokens - 1)
+        return _chain_slots(mode, remaining_tokens)  # a tree of up to K nodes, as a chain's K
 
     def propose(self, inputs: Sequence[ProposerInput]) -> Proposal:
         proposal = Proposal()
