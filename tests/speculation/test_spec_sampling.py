@@ -56,6 +56,15 @@ def chi2_p(a: list, b: list) -> float:
     return chi2_contingency(rows)[1]
 
 
+def assert_same_distribution(samples: list, reference: list, label: str) -> None:
+    """Tokens 2, 3 and 4 one by one, and tokens 2-3 jointly, match the reference's."""
+    for pos in (1, 2, 3):
+        p = chi2_p([s[pos] for s in samples], [s[pos] for s in reference])
+        assert p > P_MIN, f"{label}: token {pos + 1} distribution differs (p={p:.2e})"
+    p = chi2_p([s[1:3] for s in samples], [s[1:3] for s in reference])
+    assert p > P_MIN, f"{label}: joint of tokens 2-3 differs (p={p:.2e})"
+
+
 @pytest.fixture(scope="module")
 def reference(tiny_vocab):
     target, _ = tiny_vocab
@@ -71,11 +80,7 @@ def test_speculative_sampling_matches_target(tiny_vocab, reference, mode):
     samples, stats = sample(target, draft, mode)
     # Both paths of the rejection sampler ran.
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
-    for pos in (1, 2, 3):
-        p = chi2_p([s[pos] for s in samples], [s[pos] for s in reference])
-        assert p > P_MIN, f"{mode}: token {pos + 1} distribution differs (p={p:.2e})"
-    p = chi2_p([s[1:3] for s in samples], [s[1:3] for s in reference])
-    assert p > P_MIN, f"{mode}: joint of tokens 2-3 differs (p={p:.2e})"
+    assert_same_distribution(samples, reference, mode)
 
 
 @pytest.mark.slow
