@@ -3,7 +3,7 @@
 It has the face the routes use (`add_request` returning a stream, `abort`, `tokenizer`,
 `model_info`, `limits`, `stats`, `kv_pool`, `num_in_flight`, `start`/`shutdown`), and behind
 it each request is one streaming call to the engine replicas' deployment handle. The router
-(`router.py`) picks the replica; a `RemoteStream` pumps the replica's deltas into a queue.
+(`router.py`) picks the replica; `_pump` puts the replica's deltas on a `RemoteStream`.
 
 Faults: a replica that dies before sending anything is retried on another (nothing was
 streamed, so a second try cannot duplicate output); one that dies mid-stream ends the stream
@@ -16,13 +16,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from collections.abc import AsyncIterator
 from dataclasses import fields
 
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.handle import DeploymentHandle
 
 from ..engine import EngineLimits, EngineStats, EngineStoppedError, KVPoolStats, ModelInfo
+from ..engine.async_engine import DeltaStream
 from ..outputs import RequestDelta
 from ..sampling import SamplingParams
 from ..speculation.modes import SpecMode, parse_speculation
@@ -35,30 +35,16 @@ log = logging.getLogger("specserve.cluster")
 _REPLICA_GONE = (RayActorError, ActorUnavailableError)
 
 
-class RemoteStream:
-    """One request's deltas from its replica; the same face as `engine.RequestStream`."""
+class RemoteStream(DeltaStream):
+    """One request's deltas from its replica, put on the queue by `ClusterEngine._pump`."""
 
-    def __init__(self, engine: ClusterEngine, request_id: str,
-                 prompt_token_ids: list[int]) -> None:
-        self.engine = engine
-        self.request_id = request_id
-        self.prompt_token_ids = prompt_token_ids
-        self.queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
-        self.finished = False
-        self.task: asyncio.Task | None = None
-
-    def __aiter__(self) -> AsyncIterator[RequestDelta]:
-        return self._iterate()
-
-    async def _iterate(self) -> AsyncIterator[RequestDelta]:
-        while not self.finished:
-            delta = await self.queue.get()
-            self.finished = delta.finished
-            yield delta
+    def __init__(self, request_id: str, prompt_token_ids: list[int]) -> None:
+        super().__init__(request_id, prompt_token_ids)
+        self.task: asyncio.Task | None = None  # the pump
 
     def abort(self) -> None:
-        """Cancel the request: the replica's generator is cancelled (its engine frees the
-        blocks) and the stream ends with an `abort` delta. Safe to repeat."""
+        """The replica's generator is cancelled (its engine frees the blocks) and the stream
+        ends with an `abort` delta."""
         if self.task is not None and not self.task.done():
             self.task.cancel()
 
@@ -161,7 +147,7 @@ class ClusterEngine:
         request_id = request_id if request_id is not None else f"req-{secrets.token_hex(8)}"
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        stream = self._streams[request_id] = RemoteStream(self, request_id, ids)
+        stream = self._streams[request_id] = RemoteStream(request_id, ids)
         turn = Turn(ids, params, request_id, speculation, _session(request_id))
         stream.task = asyncio.get_running_loop().create_task(self._pump(stream, turn))
         # A task cancelled before it first ran never enters _pump's handlers: end it here.

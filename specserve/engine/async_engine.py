@@ -29,13 +29,17 @@ class EngineStoppedError(RuntimeError):
     """The engine is not running (not started yet, or shut down)."""
 
 
-class RequestStream:
-    """Async iterator over one request's deltas; ends after the delta that finishes it."""
+class DeltaStream:
+    """Async iterator over one request's deltas; ends after the delta that finishes it.
 
-    def __init__(self, engine: AsyncEngine, request: Request) -> None:
-        self.engine = engine
-        self.request_id = request.request_id
-        self.prompt_token_ids = request.prompt_token_ids
+    The face the routes stream from. Whoever produces the deltas puts them on `queue` (the
+    engine thread through `AsyncEngine._deliver`, or a cluster gateway's pump); a subclass says
+    how to cancel the request behind it (`abort`).
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int]) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
         self.queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
         self.finished = False
 
@@ -47,6 +51,18 @@ class RequestStream:
             delta = await self.queue.get()
             self.finished = delta.finished
             yield delta
+
+    def abort(self) -> None:
+        """Cancel the request; its stream still ends with a finished delta. Safe to repeat."""
+        raise NotImplementedError
+
+
+class RequestStream(DeltaStream):
+    """One request of this process's engine."""
+
+    def __init__(self, engine: AsyncEngine, request: Request) -> None:
+        super().__init__(request.request_id, request.prompt_token_ids)
+        self.engine = engine
 
     def abort(self) -> None:
         if not self.finished:
