@@ -55,7 +55,8 @@ class Gateway:
 
     async def __init__(self, replicas: DeploymentHandle, options: ClusterOptions) -> None:
         facts = await replicas.facts.remote()
-        self.engine = ClusterEngine(replicas, facts, options.num_replicas)
+        self.engine = ClusterEngine(replicas, facts, options.num_replicas,
+                                    report_period_s=options.stats_period_s)
         self.options = options
 
     def __serve_build_asgi_app__(self):

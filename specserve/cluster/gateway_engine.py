@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import time
 from dataclasses import fields
 
 from ray.exceptions import ActorUnavailableError, RayActorError
@@ -25,6 +26,7 @@ from ..engine import EngineLimits, EngineStats, EngineStoppedError, KVPoolStats,
 from ..engine.async_engine import DeltaStream
 from ..outputs import RequestDelta
 from ..sampling import SamplingParams
+from ..server.metrics import scheduler_counts
 from ..speculation.modes import SpecMode, parse_speculation
 from ..validation import RequestLimits, check_lengths, check_prompt_ids
 from . import registry
@@ -53,11 +55,14 @@ class ClusterEngine:
     """The engine face of N replicas (see the module docstring)."""
 
     def __init__(self, handle: DeploymentHandle, facts: EngineFacts, num_replicas: int,
-                 retries: int = 2) -> None:
+                 retries: int = 2, report_period_s: float = 1.0) -> None:
         self.handle = handle.options(stream=True)
         self.tokenizer = facts.tokenizer
         self.num_replicas = num_replicas
         self.retries = retries  # replicas tried after one died before streaming anything
+        # A replica whose last report is older than this is hung or cut off: not healthy.
+        # (Reports travel replica -> Ray's controller -> this process, so allow for slack.)
+        self.stale_after_s = 5 * report_period_s + 5.0
         self._model_info = facts.model_info
         one = facts.limits
         # A request's context is one replica's; the batch slots (admission control's
@@ -126,6 +131,45 @@ class ClusterEngine:
                     / finished if finished else 0.0)
         return KVPoolStats(sum(r["num_blocks"] for r in reports),
                            sum(r["num_free_blocks"] for r in reports), hit_rate)
+
+    def replicas(self) -> list[dict]:
+        """Each live replica as of its last report, for /health and /metrics: `status` is "ok"
+        while its engine runs and its reports keep coming, else "stale"."""
+        now = time.time()
+        out = []
+        for rid, report in sorted(self.replica_reports().items()):
+            age = max(0.0, now - report["time"])
+            in_flight = report["num_in_flight"]
+            running, waiting = scheduler_counts(in_flight, report["max_num_seqs"])
+            blocks, free = report["num_blocks"], report["num_free_blocks"]
+            ok = report["running"] and age <= self.stale_after_s
+            out.append({"replica": rid, "status": "ok" if ok else "stale",
+                        "report_age_s": round(age, 3), "requests_in_flight": in_flight,
+                        "requests_running": running, "requests_waiting": waiting,
+                        "kv_blocks_total": blocks, "kv_blocks_free": free,
+                        "kv_cache_usage_perc": 1.0 - free / blocks if blocks else 0.0,
+                        "prefix_cache_hit_rate": report["prefix_hit_rate"],
+                        "memory_bytes": report["rss_bytes"]})
+        return out
+
+    def replica_health(self) -> dict:
+        """/health behind the gateway: "ok" with every replica healthy, "degraded" with some
+        (it still serves), "unavailable" with none; and each replica's entry."""
+        replicas = self.replicas()
+        healthy = sum(r["status"] == "ok" for r in replicas)
+        status = ("ok" if healthy >= self.num_replicas else "degraded" if healthy
+                  else "unavailable")
+        return {"status": status, "replicas_expected": self.num_replicas,
+                "replicas_healthy": healthy, "replicas": replicas}
+
+    def request_counts(self) -> tuple[int, int]:
+        """(running, waiting) over the cluster, vLLM's meanings: each replica's scheduler
+        split, plus requests the gateway holds that no replica has reported yet (waiting)."""
+        replicas = self.replicas()
+        running = sum(r["requests_running"] for r in replicas)
+        waiting = sum(r["requests_waiting"] for r in replicas)
+        unplaced = self.num_in_flight() - sum(r["requests_in_flight"] for r in replicas)
+        return running, waiting + max(0, unplaced)
 
     def parse_speculation(self, value) -> SpecMode:
         return parse_speculation(value, self._model_info.has_draft)

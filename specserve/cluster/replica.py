@@ -9,6 +9,8 @@ numbers to the gateway's router and `/metrics`.
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
 
@@ -77,13 +79,17 @@ class EngineReplica:
             stream.abort()
 
     def record_routing_stats(self) -> dict:
-        """Load and KV numbers for the gateway's /metrics (Ray Serve polls this every
-        `request_routing_stats_period_s` and hands it to the gateway's router)."""
+        """Load, KV and memory numbers for the gateway's /health and /metrics (Ray Serve polls
+        this every `request_routing_stats_period_s` and hands it to the gateway's router).
+        `time` (wall clock) lets the gateway tell a report that stopped coming."""
         engine = self.engine
         pool = engine.kv_pool()
-        return {"num_in_flight": engine.num_in_flight(),
+        return {"time": time.time(), "running": engine.running,
+                "num_in_flight": engine.num_in_flight(),
+                "max_num_seqs": engine.limits.max_num_seqs,
                 "num_blocks": pool.num_blocks, "num_free_blocks": pool.num_free_blocks,
-                "prefix_hit_rate": pool.prefix_hit_rate, "stats": asdict(engine.stats)}
+                "prefix_hit_rate": pool.prefix_hit_rate, "rss_bytes": resident_bytes(),
+                "stats": asdict(engine.stats)}
 
     def check_health(self) -> None:
         if not self.engine.running:
@@ -93,3 +99,12 @@ class EngineReplica:
         engine = getattr(self, "engine", None)  # None when __init__ failed
         if engine is not None:
             await engine.shutdown()
+
+
+def resident_bytes() -> int:
+    """This process's resident memory in bytes (Linux's /proc; 0 where unknown)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0

@@ -144,6 +144,9 @@ async def health(request: Request) -> Response:
     body = {"status": status, "model": state.model_name,
             "auth_required": state.guard.auth_required,
             "requests_in_flight": state.engine.num_in_flight()}
+    if running and hasattr(state.engine, "replica_health"):  # behind a cluster gateway
+        body.update(state.engine.replica_health())  # per replica; its status overrides
+        running = body["status"] != "unavailable"
     return Response(orjson.dumps(body), 200 if running else 503, media_type="application/json")
 
 

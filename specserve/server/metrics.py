@@ -84,8 +84,11 @@ class _EngineCollector:
 
         # vLLM's load gauges (names, meanings, types), read by Kubernetes inference gateways'
         # endpoint pickers to route between servers.
-        running, waiting = scheduler_counts(self.engine.num_in_flight(),
-                                            self.engine.limits.max_num_seqs)
+        if hasattr(self.engine, "request_counts"):  # a cluster gateway: its replicas' split
+            running, waiting = self.engine.request_counts()
+        else:
+            running, waiting = scheduler_counts(self.engine.num_in_flight(),
+                                                self.engine.limits.max_num_seqs)
         yield gauge("vllm:num_requests_running", "Number of requests in model execution "
                     "batches.", running)
         yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
@@ -93,6 +96,31 @@ class _EngineCollector:
         usage = 1.0 - blocks.num_free_blocks / blocks.num_blocks if blocks.num_blocks else 0.0
         yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
                     usage)
+        if hasattr(self.engine, "replicas"):
+            yield from replica_gauges(self.model_name, self.engine.replicas())
+
+
+# Behind a cluster gateway, each replica's own numbers: (metric suffix, its key, help).
+_REPLICA_GAUGES = (
+    ("up", None, "1 while the replica's engine runs and its reports keep coming."),
+    ("requests_in_flight", "requests_in_flight", "Requests in the replica's engine."),
+    ("requests_waiting", "requests_waiting", "Requests queued in the replica's scheduler."),
+    ("kv_cache_usage_perc", "kv_cache_usage_perc", "The replica's KV-cache usage (1: full)."),
+    ("prefix_cache_hit_rate", "prefix_cache_hit_rate", "The replica's prefix-cache hit rate."),
+    ("memory_bytes", "memory_bytes", "The replica process's resident memory."),
+)
+
+
+def replica_gauges(model_name: str, replicas: list[dict]) -> Iterator[Metric]:
+    """`specserve_replica_*{replica=...}`: one series per live replica (`ClusterEngine
+    .replicas`); the vLLM gauges above stay the cluster's totals."""
+    for suffix, key, doc in _REPLICA_GAUGES:
+        family = GaugeMetricFamily(f"specserve_replica_{suffix}", doc,
+                                   labels=["model_name", "replica"])
+        for r in replicas:
+            value = float(r["status"] == "ok") if key is None else r[key]
+            family.add_metric([model_name, r["replica"]], value)
+        yield family
 
 
 def scheduler_counts(in_flight: int, max_num_seqs: int) -> tuple[int, int]:

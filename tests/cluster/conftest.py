@@ -1,5 +1,6 @@
 """One local Ray cluster per test module (2 CPUs, no dashboard), serving two replicas of the
-tiny target (itself as the draft, chain:3) behind the gateway on a free port."""
+tiny target (itself as the draft, chain:3) behind the gateway on a free port. Each replica runs
+2 requests side by side and the gateway queues 1 more: admission's cap is 2 x 2 + 1 = 5."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from specserve.cluster import ClusterOptions, build_application  # noqa: E402
 SPEC = "chain:3"
 NUM_BLOCKS = 64
 NUM_REPLICAS = 2
+MAX_NUM_SEQS = 2  # per replica
+MAX_QUEUED = 1  # at the gateway, beyond every replica's batch slots
 
 
 def free_port() -> int:
@@ -39,8 +42,10 @@ def cluster(tiny_target: Path):
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         options = ClusterOptions(
             engine_options={"target": str(tiny_target), "draft": str(tiny_target),
-                            "speculation": SPEC, "num_blocks": NUM_BLOCKS},
+                            "speculation": SPEC, "num_blocks": NUM_BLOCKS,
+                            "max_num_seqs": MAX_NUM_SEQS},
             num_replicas=NUM_REPLICAS, app_options={"model_name": "tiny"},
+            limit_overrides={"max_queued_requests": MAX_QUEUED},
             cpus_per_replica=0.5, stats_period_s=0.2, drain_timeout_s=2)
         serve.run(build_application(options), name="specserve", route_prefix="/")
         yield Cluster(port)

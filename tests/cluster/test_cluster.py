@@ -1,8 +1,11 @@
 """Two engine replicas behind the Ray Serve gateway: the same greedy tokens as one engine over
 WebSocket and SSE, prefix affinity and conversation stickiness (the replica named in the
-response metrics), the vLLM gauges on /metrics, and a replica killed mid-stream.
+response metrics), the vLLM gauges on /metrics, /health and /metrics per replica, admission
+(429 / `overloaded`) over both replicas' slots, a replica killed mid-stream, and nothing left
+behind (blocks, requests, Ray actors).
 
-One cluster serves the whole module (conftest.py); the killed-replica test runs last.
+One cluster serves the whole module (conftest.py); the killed-replica test and the leak check
+run last, in that order.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import pytest
 
 from specserve import SamplingParams
 from specserve.llm import LLM
-from tests.cluster.conftest import NUM_BLOCKS, SPEC, ray
+from tests.cluster.conftest import MAX_NUM_SEQS, MAX_QUEUED, NUM_BLOCKS, SPEC, ray, serve
 from tests.server.server_helpers import WSConn, done_of, run, text_of
 
 pytestmark = pytest.mark.timeout(170)
@@ -34,7 +37,8 @@ def _greedy(n: int) -> SamplingParams:
 @pytest.fixture(scope="module")
 def reference(tiny_target) -> LLM:
     """One engine with the replicas' exact configuration."""
-    return LLM(tiny_target, draft=tiny_target, speculation=SPEC, num_blocks=NUM_BLOCKS)
+    return LLM(tiny_target, draft=tiny_target, speculation=SPEC, num_blocks=NUM_BLOCKS,
+               max_num_seqs=MAX_NUM_SEQS)
 
 
 def metrics_text(cluster) -> str:
@@ -49,8 +53,11 @@ def gauge(text: str, name: str) -> float:
 
 @pytest.fixture(autouse=True)
 def _idle_after(request):
-    """After each test: nothing in flight and every KV block free on every replica."""
+    """After each test: nothing in flight and every KV block free on every replica (the last
+    test checks that itself, then deletes the application)."""
     yield
+    if request.node.name == test_nothing_is_left_behind.__name__:
+        return
     cluster = request.getfixturevalue("cluster")
     deadline = time.monotonic() + 15
     while True:
@@ -172,6 +179,72 @@ def test_vllm_gauges_on_metrics(cluster):
         assert f"# TYPE {name} gauge" in during
 
 
+def health(cluster) -> tuple[int, dict]:
+    response = httpx.get(f"{cluster.http}/health", timeout=10)
+    return response.status_code, response.json()
+
+
+def _health_until(cluster, ready, timeout: float = 60.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        code, body = health(cluster)
+        if ready(body) or time.monotonic() > deadline:
+            return body
+        time.sleep(0.2)
+
+
+def test_health_and_metrics_report_each_replica(cluster):
+    body = _health_until(cluster, lambda b: b.get("replicas_healthy") == 2)
+    assert body["status"] == "ok" and body["replicas_expected"] == 2, body
+    replicas = body["replicas"]
+    assert len({r["replica"] for r in replicas}) == 2
+    for r in replicas:
+        assert r["replica"].startswith("SERVE_REPLICA::specserve#engine#")
+        assert r["status"] == "ok" and r["kv_blocks_total"] == NUM_BLOCKS
+        assert r["memory_bytes"] > 50 << 20  # a process with torch and a model loaded
+    text = metrics_text(cluster)
+    for r in replicas:
+        label = f'model_name="tiny",replica="{r["replica"]}"'
+        assert f"specserve_replica_up{{{label}}} 1.0" in text
+        assert re.search(rf"^specserve_replica_memory_bytes\{{{re.escape(label)}\}} \d", text,
+                         re.M)
+
+
+def test_admission_holds_across_replicas(cluster):
+    """The gateway admits both replicas' batch slots plus its queue (2 x 2 + 1), spread over
+    both replicas; one more is refused at once on either API, and the admitted ones finish."""
+    capacity = 2 * MAX_NUM_SEQS + MAX_QUEUED
+    n = 300  # long enough to be in flight while the extra requests are refused
+
+    async def go():
+        conns = [await WSConn(cluster.ws).__aenter__() for _ in range(capacity + 1)]
+        try:
+            for i, conn in enumerate(conns[:capacity]):  # a session each: spread by load
+                await conn.create(f"long{i}", prompt=f"story {i}", temperature=0,
+                                  max_output_tokens=n, ignore_eos=True, speculation="off")
+                assert (await conn.recv(30))["type"] == "response.created"
+            extra = conns[capacity]
+            await extra.create("extra", prompt="one more", max_output_tokens=4)
+            refused_ws = await extra.recv()
+            refused_http = await asyncio.to_thread(
+                httpx.post, f"{cluster.http}/v1/chat/completions", timeout=10,
+                json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                      "max_tokens": 4})
+            dones = [done_of((await conn.until_done(f"long{i}", timeout=120))[f"long{i}"])
+                     for i, conn in enumerate(conns[:capacity])]
+            return refused_ws, refused_http, dones
+        finally:
+            for conn in conns:
+                await conn.__aexit__()
+
+    refused_ws, refused_http, dones = run(go(), timeout=150)
+    assert refused_ws["type"] == "error" and refused_ws["code"] == "overloaded", refused_ws
+    assert refused_http.status_code == 429 and refused_http.headers["retry-after"] == "1"
+    assert refused_http.json()["error"]["code"] == "overloaded"
+    assert all(d["usage"]["output_tokens"] == n for d in dones)
+    assert len({d["metrics"]["replica"] for d in dones}) == 2  # admitted over both replicas
+
+
 @pytest.mark.slow
 def test_killed_replica_ends_its_stream_and_the_next_request_succeeds(cluster):
     async def go():
@@ -194,3 +267,26 @@ def test_killed_replica_ends_its_stream_and_the_next_request_succeeds(cluster):
     assert "replica" in done["error"]["message"]
     assert time.monotonic() - t0 < 60
     assert after["status"] == "incomplete" and after["usage"]["output_tokens"] == 4
+
+
+def test_nothing_is_left_behind(cluster):
+    """Last: Ray has replaced the killed replica; every replica's blocks are free and no
+    request is in flight anywhere; deleting the application leaves no Serve replica actor."""
+    body = _health_until(cluster, lambda b: b.get("replicas_healthy") == 2
+                         and all(r["requests_in_flight"] == 0
+                                 and r["kv_blocks_free"] == r["kv_blocks_total"]
+                                 for r in b["replicas"]))
+    assert body["status"] == "ok" and body["requests_in_flight"] == 0, body
+    assert all(r["requests_in_flight"] == 0 and r["kv_blocks_free"] == NUM_BLOCKS
+               for r in body["replicas"]), body
+
+    def replica_actors() -> list[str]:
+        return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                if a["name"].startswith("SERVE_REPLICA::specserve#")]
+
+    assert len(replica_actors()) == 3  # the gateway and the two engine replicas
+    serve.delete("specserve")
+    deadline = time.monotonic() + 30
+    while replica_actors():
+        assert time.monotonic() < deadline, f"left behind: {replica_actors()}"
+        time.sleep(0.2)
