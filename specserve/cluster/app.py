@@ -6,8 +6,9 @@ in front of N engine replicas.
 The gateway is the same app `specserve serve` runs (WebSocket, OpenAI HTTP/SSE, chat page,
 /health, /metrics), built inside the gateway's replica around a `ClusterEngine` instead of an
 `AsyncEngine`. The replicas are one deployment of N copies of `EngineReplica`, routed by
-`PrefixAffinityRouter`. Ray restarts a replica that dies (its health check fails or its actor
-is gone) and the router stops choosing it meanwhile.
+`PrefixAffinityRouter` (or `RoundRobinRouter`, the benchmark's baseline). Ray restarts a
+replica that dies (its health check fails or its actor is gone) and the router stops choosing
+it meanwhile.
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ from ray.serve.handle import DeploymentHandle
 
 from .gateway_engine import ClusterEngine
 from .replica import EngineReplica
-from .router import PrefixAffinityRouter
+from .router import PrefixAffinityRouter, RoundRobinRouter
 
 GATEWAY = "gateway"
 REPLICAS = "engine"
+ROUTERS = {"prefix": PrefixAffinityRouter, "round_robin": RoundRobinRouter}
 
 
 @dataclass(frozen=True)
@@ -37,13 +39,17 @@ class ClusterOptions:
     cpus_per_replica: float = 1.0
     max_ongoing_requests: int = 64  # per engine replica, queued in its engine beyond its batch
     stats_period_s: float = 1.0  # how often each replica reports its load and KV pool
-    router_options: dict = field(default_factory=dict)  # PrefixAffinityRouter's options
+    routing: str = "prefix"  # a key of ROUTERS: "round_robin" is the benchmark's baseline
+    router_options: dict = field(default_factory=dict)  # the router's initialize_state options
     drain_timeout_s: float = 20.0  # on shutdown, how long streams in flight may run on
 
     def __post_init__(self) -> None:
         if isinstance(self.num_replicas, bool) or not isinstance(self.num_replicas, int) \
                 or self.num_replicas < 1:
             raise ValueError(f"--replicas must be an integer >= 1, got {self.num_replicas!r}")
+        if self.routing not in ROUTERS:
+            raise ValueError(f"routing must be one of {', '.join(ROUTERS)}, got "
+                             f"{self.routing!r}")
         if self.cpus_per_replica <= 0 or self.max_ongoing_requests < 1 \
                 or self.drain_timeout_s < 0:
             raise ValueError("cpus_per_replica must be > 0, max_ongoing_requests >= 1 and "
@@ -69,7 +75,7 @@ class Gateway:
 
 
 def build_application(options: ClusterOptions) -> serve.Application:
-    router = RequestRouterConfig(request_router_class=PrefixAffinityRouter,
+    router = RequestRouterConfig(request_router_class=ROUTERS[options.routing],
                                  request_router_kwargs=options.router_options,
                                  request_routing_stats_period_s=options.stats_period_s)
     replicas = serve.deployment(

@@ -66,7 +66,39 @@ class ReplicaBlocks:
             self.keys.popitem(last=False)
 
 
-class PrefixAffinityRouter(RequestRouter):
+class ReportingRouter(RequestRouter):
+    """What every router of the engine replicas does: it registers itself, so the gateway's
+    /health and /metrics read the replicas' reports through it."""
+
+    def initialize_state(self) -> None:
+        registry.register(self)
+
+    def replica_reports(self) -> dict[str, dict]:
+        """Each live replica's last `record_routing_stats` report, by its full id."""
+        return {rid.to_full_id_str(): replica.routing_stats
+                for rid, replica in self.curr_replicas.items()}
+
+
+class RoundRobinRouter(ReportingRouter):
+    """Each request to the next replica in turn (another one only when it is full): the
+    baseline `python -m bench scale` measures prefix affinity against."""
+
+    def initialize_state(self) -> None:
+        super().initialize_state()
+        self.turn = 0
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None,
+                              ) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return [candidate_replicas]
+        ordered = sorted(candidate_replicas, key=lambda r: str(r.replica_id))
+        i = self.turn % len(ordered)
+        self.turn += 1
+        return [[ordered[i]], ordered[:i] + ordered[i + 1:]]
+
+
+class PrefixAffinityRouter(ReportingRouter):
     """Ray Serve request router for the engine replicas (see the module docstring)."""
 
     def initialize_state(self, imbalance_threshold: int = 2, min_match_fraction: float = 0.5,
@@ -81,12 +113,7 @@ class PrefixAffinityRouter(RequestRouter):
         self.max_sessions = max_sessions
         self.blocks: dict[ReplicaID, ReplicaBlocks] = {}
         self.sessions: OrderedDict[str, ReplicaID] = OrderedDict()
-        registry.register(self)  # the gateway's /metrics reads the replicas' reports here
-
-    def replica_reports(self) -> dict[str, dict]:
-        """Each live replica's last `record_routing_stats` report, by its full id."""
-        return {rid.to_full_id_str(): replica.routing_stats
-                for rid, replica in self.curr_replicas.items()}
+        super().initialize_state()
 
     def _queue_len(self, replica: RunningReplica) -> int:
         # The handle's cache of each replica's ongoing requests; unknown counts as idle (Ray

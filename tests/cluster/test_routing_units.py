@@ -116,3 +116,20 @@ def test_router_keeps_a_conversation_on_its_replica_while_it_lives():
     router.on_request_routed(FakeRequest(turn([1] * 20, "s1")), "a", None)
     assert choose(router, [a, b], turn([5] * 40, "s1")) == [["a"], ["b"]]
     assert choose(router, [b], turn([5] * 40, "s1")) == [["b"]]  # a is gone: any other
+
+
+def test_round_robin_takes_each_replica_in_turn_and_falls_back_to_the_others():
+    from specserve.cluster.router import RoundRobinRouter
+
+    router = RoundRobinRouter.__new__(RoundRobinRouter)
+    router.initialize_state()
+    a, b, c = FakeReplica("a"), FakeReplica("b"), FakeReplica("c")
+    prompt = turn(list(range(64)))  # the same prompt each time: no affinity here
+    firsts = [choose(router, [c, a, b], prompt)[0][0] for _ in range(6)]
+    assert firsts == ["a", "b", "c", "a", "b", "c"]
+    assert choose(router, [b, a], prompt) == [["a"], ["b"]]  # turn 6 of 2 replicas
+
+
+def test_cluster_options_refuse_an_unknown_routing():
+    with pytest.raises(ValueError, match="routing must be one of prefix, round_robin"):
+        ClusterOptions(engine_options={}, routing="random")
