@@ -37,6 +37,7 @@ class EngineConfig:
     draft_quantization: str | None = None  # the draft's ("none": unquantized)
     tp: int = 1  # tensor-parallel ranks the target is split over
     draft_tp: int = 1  # 1: the draft runs whole on rank 0; tp: split like the target
+    pp: int = 1  # pipeline stages the target's layers are split over (each of tp ranks)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -44,7 +45,7 @@ class EngineConfig:
     def from_options(cls, target, draft=None, speculation=None, dtype: str = "auto",
                      tp: int = 1, quantization: str | None = None,
                      draft_quantization: str | None = None, draft_tp: int = 1,
-                     **options) -> EngineConfig:
+                     pp: int = 1, **options) -> EngineConfig:
         """The config for `LLM(...)` / CLI keyword options; unknown ones are an error.
 
         draft_quantization None means the target's quantization."""
@@ -54,7 +55,7 @@ class EngineConfig:
             draft_quantization = quantization
         resolve_quantization(quantization)  # an unknown name fails here, before any loading
         resolve_quantization(draft_quantization)
-        for name, ranks in (("tp", tp), ("draft_tp", draft_tp)):
+        for name, ranks in (("tp", tp), ("draft_tp", draft_tp), ("pp", pp)):
             if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
                 raise ValueError(f"{name} must be a positive int; got {ranks!r}")
         if draft_tp not in (1, tp):
@@ -69,6 +70,6 @@ class EngineConfig:
             target=Path(target), draft=Path(draft) if draft is not None else None,
             speculation=speculation, dtype=dtype, device=options.get("device", "cpu"),
             quantization=quantization, draft_quantization=draft_quantization,
-            tp=tp, draft_tp=draft_tp,
+            tp=tp, draft_tp=draft_tp, pp=pp,
             cache=CacheConfig(**{k: v for k, v in options.items() if k in cache_keys}),
             scheduler=SchedulerConfig(**{k: v for k, v in options.items() if k in sched_keys}))

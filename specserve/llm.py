@@ -17,22 +17,27 @@ __all__ = ["LLM", "build_engine_config", "demo_pair"]
 
 
 def build_engine_config(target=None, draft=None, speculation=None, dtype="auto", tp: int = 1,
-                        quantization=None, draft_quantization=None, **options) -> EngineConfig:
+                        quantization=None, draft_quantization=None, pp: int = 1,
+                        **options) -> EngineConfig:
     """Engine config from the LLM/CLI keyword options; `target=None` is the default model,
     "demo" the demo pair (see named_models)."""
     target, draft = resolve_models(target, draft)
     return EngineConfig.from_options(target, draft, speculation, dtype, tp, quantization,
-                                     draft_quantization, **options)
+                                     draft_quantization, pp=pp, **options)
 
 
 class LLM:
     def __init__(self, target: str | Path | None = None, draft: str | Path | None = None,
                  speculation=None, dtype: str = "auto", tp: int = 1,
                  quantization: str | None = None, draft_quantization: str | None = None,
-                 **engine_options) -> None:
+                 pp: int = 1, **engine_options) -> None:
+        """`tp`: tensor-parallel ranks per pipeline stage; `pp`: pipeline stages (the target's
+        layers split into `pp` contiguous ranges); tp x pp processes in all, spawned here or
+        started by torchrun (see README, "Tensor and pipeline parallelism")."""
         config = build_engine_config(target, draft, speculation, dtype, tp, quantization,
-                                     draft_quantization, **engine_options)
-        # tp > 1: the workers start (and rank 0 joins them) before the engine loads its shard.
+                                     draft_quantization, pp, **engine_options)
+        # tp x pp > 1: the workers start (and rank 0 joins them) before the engine loads its
+        # shard.
         self.tensor_parallel = launch_tensor_parallel(config)
         try:
             self.engine = EngineCore(config)
@@ -42,7 +47,8 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
 
     def shutdown(self) -> None:
-        """End the tensor-parallel workers (a no-op at tp=1; also done at interpreter exit)."""
+        """End the tensor/pipeline-parallel workers (a no-op at tp = pp = 1; also done at
+        interpreter exit)."""
         if self.tensor_parallel is not None:
             self.tensor_parallel.shutdown()
 

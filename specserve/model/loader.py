@@ -7,8 +7,10 @@ gguf_convert.py), dequantized here to the model's dtype, except the Q8_0 / Q4_0 
 projections, which keep the file's (or the converted) blocks (`quant.use_file_blocks`).
 Each checkpoint tensor is routed to the parameter that owns it together with a shard id (q/k/v
 and gate/up are fused here), and that parameter's `weight_loader` reads its tensor-parallel
-slice from the file (a lazy safetensors slice: a rank reads only its own part). Every failure
-names the folder, file and tensor involved.
+slice from the file (a lazy safetensors slice: a rank reads only its own part). A pipeline
+stage (`pipeline.stage_model.StageLM`) routes only its own layers (renumbered from 0), the
+embedding on the first stage, the final norm and LM head on the last; the other tensors are
+never read. Every failure names the folder, file and tensor involved.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from ..distributed import TPShard, shard_for_checkpoint
+from ..distributed import WHOLE_MODEL, PipelineStage, TPShard, shard_for_checkpoint
 from ..kernels.quant_reference import FORMATS
 from .architectures import ArchSpec, DecoderLM
 from .huge_pages import move_to_huge_pages
@@ -97,22 +99,33 @@ def _open(file: Path):
                               f"{exc}") from exc
 
 
-def _route(name: str, spec: ArchSpec) -> tuple[str, int] | None:
-    """Checkpoint tensor name -> (our parameter name, shard id), or None to skip it."""
+def _route(name: str, spec: ArchSpec, stage: PipelineStage = WHOLE_MODEL,
+           layers: range | None = None) -> tuple[str, int] | None:
+    """Checkpoint tensor name -> (our parameter name, shard id), or None to skip it.
+
+    `stage`/`layers`: a pipeline stage and its global layer indices (None: every layer)."""
     if name == "model.embed_tokens.weight":
-        return "embed_tokens.weight", 0
+        if stage.is_first:
+            return "embed_tokens.weight", 0
+        # A later stage reads the embedding only as the last stage's tied LM head.
+        return ("lm_head.weight", 0) if stage.is_last and spec.tie_word_embeddings else None
     if name == "model.norm.weight":
-        return "norm.weight", 0
+        return ("norm.weight", 0) if stage.is_last else None
     if name in ("model.fc.weight", "model.fc.bias") and spec.reads_target_hidden:
         return name.removeprefix("model."), 0
     if name == "lm_head.weight":
-        return (None if spec.tie_word_embeddings else ("lm_head.weight", 0))
+        return (None if spec.tie_word_embeddings or not stage.is_last
+                else ("lm_head.weight", 0))
     m = _LAYER.match(name)
     if m is None:
         return None
     layer, module, kind = m.groups()
     if module.endswith("rotary_emb"):
         return None
+    if layers is not None:
+        if int(layer) not in layers:
+            return None
+        layer = int(layer) - layers.start
     target, shard = _FUSED.get(module, (module, 0))
     return f"layers.{layer}.{target}.{kind}", shard
 
@@ -124,29 +137,45 @@ def is_gguf(path: str | Path) -> bool:
 
 def load_model(path: str | Path, dtype: str | torch.dtype = "auto",
                device: str | torch.device = "cpu", quantization: str | None = None,
-               shard: TPShard | None = None, target: DecoderLM | None = None) -> DecoderLM:
+               shard: TPShard | None = None, target: DecoderLM | None = None,
+               stage: PipelineStage | None = None) -> DecoderLM:
     """Build the decoder for the checkpoint's architecture and load its weights (this rank's
     slice). `path` is a Hugging Face folder or a `.gguf` file (dequantized to `dtype`, except
     Q8_0 / Q4_0 / Q4_1 projections, which run on their own blocks when `quantization` is None).
     `quantization` ("int8", "int4", see quant.py) quantizes the projections at load.
 
-    `shard`: the tensor-parallel slice to hold; by default the one the tensor-parallel launcher
-    registered for this checkpoint (`distributed.shard_for_checkpoint`), else the whole model.
+    `shard`, `stage`: the tensor-parallel slice and pipeline stage to hold (a stage gives a
+    `StageLM`); by default what the launcher registered for this checkpoint
+    (`distributed.shard_for_checkpoint`), else the whole model.
     `target`: the loaded target, for a draft that shares its embeddings (config.json's
     `shares_target_embeddings`); the draft then holds the target's own tensor, not a copy.
     """
     path = Path(path)
-    shard = shard if shard is not None else shard_for_checkpoint(path)
+    registered_shard, registered_stage = shard_for_checkpoint(path)
+    if shard is None:
+        shard, stage = registered_shard, stage or registered_stage
+    stage = stage or WHOLE_MODEL
     if is_gguf(path):
-        model = _load_gguf(path, dtype, device, quantization, shard)
+        model = _load_gguf(path, dtype, device, quantization, shard, stage)
     else:
-        model = _load_hf(path, dtype, device, quantization, shard, target)
+        model = _load_hf(path, dtype, device, quantization, shard, target, stage)
     move_to_huge_pages(model)  # a CPU model's weights: see huge_pages.py
     return model
 
 
+def _build(spec: ArchSpec, dtype: torch.dtype, shard: TPShard,
+           stage: PipelineStage) -> DecoderLM:
+    """The whole decoder, or one pipeline stage of it."""
+    if not stage.is_split:
+        return DecoderLM(spec, dtype, shard)
+    from ..pipeline.stage_model import StageLM
+
+    return StageLM(spec, dtype, stage, shard)
+
+
 def _load_hf(path: Path, dtype: str | torch.dtype, device: str | torch.device,
-             quantization: str | None, shard: TPShard, target: DecoderLM | None) -> DecoderLM:
+             quantization: str | None, shard: TPShard, target: DecoderLM | None,
+             stage: PipelineStage) -> DecoderLM:
     config = load_hf_config(path)
     spec = ArchSpec.from_hf_config(config)
     if spec.shared_embeddings and target is None:
@@ -168,7 +197,7 @@ def _load_hf(path: Path, dtype: str | torch.dtype, device: str | torch.device,
 
     if resolve_quantization(quantization) is not None:
         _check_quantized_split(spec, shard)
-    model = DecoderLM(spec, torch_dtype, shard)
+    model = _build(spec, torch_dtype, shard, stage)
     loaded = _fill(model, tensors(), spec.norm_weight_offset)
     if spec.shared_embeddings:
         _share_embeddings(model, target, path)
@@ -203,10 +232,11 @@ def _share_embeddings(draft: DecoderLM, target: DecoderLM, path: Path) -> None:
 
 
 def _load_gguf(path: Path, dtype: str | torch.dtype, device: str | torch.device,
-               quantization: str | None, shard: TPShard) -> DecoderLM:
+               quantization: str | None, shard: TPShard, stage: PipelineStage) -> DecoderLM:
     """A GGUF's tensors are read whole and dequantized, then each rank keeps its slice (the
     file's blocks have no lazy slicing); Q8_0 / Q4_0 / Q4_1 projections then take this rank's
-    rows or block columns of the file's blocks."""
+    rows or block columns of the file's blocks. A pipeline stage dequantizes only the tensors
+    it routes."""
     from .gguf import GGUFError, read_gguf
 
     try:
@@ -224,15 +254,33 @@ def _load_gguf(path: Path, dtype: str | torch.dtype, device: str | torch.device,
                                                for t in ckpt.tensors.values())
     if file_blocks or resolve_quantization(quantization) is not None:
         _check_quantized_split(ckpt.spec, shard)
-    model = DecoderLM(ckpt.spec, torch_dtype, shard)
+    model = _build(ckpt.spec, torch_dtype, shard, stage)
     tensors = ((path, name, lambda t=t: t.dequantize(torch_dtype))
                for name, t in sorted(ckpt.tensors.items()))
     _check_complete(model, _fill(model, tensors), path)
     if file_blocks:
-        use_file_blocks(model, ckpt.tensors)
+        use_file_blocks(model, _stage_tensors(ckpt.tensors, model) if stage.is_split
+                        else ckpt.tensors)
     else:
         quantize_model(model, quantization)
     return model.to(device).eval()
+
+
+def _stage_tensors(tensors: dict, model: DecoderLM) -> dict:
+    """A stage's GGUF tensors under the names `use_file_blocks` looks for: its layers at their
+    local indices, and on the last stage its LM head (the embedding when tied) as
+    lm_head.weight; nothing else, so no other stage's blocks are touched."""
+    layers = model.layer_range
+    view = {}
+    for name, tensor in tensors.items():
+        m = _LAYER.match(name)
+        if m is not None and int(m[1]) in layers:
+            view[f"model.layers.{int(m[1]) - layers.start}.{m[2]}.{m[3]}"] = tensor
+    if model.stage.is_last:
+        head = ("model.embed_tokens.weight" if model.spec.tie_word_embeddings
+                else "lm_head.weight")
+        view["lm_head.weight"] = tensors[head]
+    return view
 
 
 def load_gguf_dequantized(path: str | Path, dtype: str | torch.dtype = "float32") -> DecoderLM:
@@ -270,6 +318,7 @@ def _fill(model: DecoderLM, tensors, norm_offset: float = 0.0) -> set[tuple[str,
     lazy safetensors slice, and is called only once the tensor is routed to a parameter. Each
     parameter's `weight_loader` reads its tensor-parallel part (copy_ converts the dtype)."""
     spec = model.spec
+    stage, layers = getattr(model, "stage", WHOLE_MODEL), getattr(model, "layer_range", None)
     params = dict(model.named_parameters())
     owners = {name: mod for mod_name, mod in model.named_modules()
               for name in (f"{mod_name}.weight", f"{mod_name}.bias") if name in params}
@@ -285,7 +334,7 @@ def _fill(model: DecoderLM, tensors, norm_offset: float = 0.0) -> set[tuple[str,
             model.head_token_ids.copy_(ids)
             loaded.add(("head_token_ids", 0))
             continue
-        route = _route(name, spec)
+        route = _route(name, spec, stage, layers)
         if route is None:
             continue
         target, shard = route

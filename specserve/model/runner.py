@@ -12,20 +12,30 @@ block tables, query starts, context lengths, mask, logit rows) and every KV move
 as int64 tensors before rank 0 runs its own shard; each worker's runner (`tp_worker`) runs the
 same forward on its shard, the row-parallel layers all-reduce, and the logits gather to rank 0.
 The engine above sees one runner, whatever the world size.
+
+Under pipeline parallelism the model is one stage (`pipeline.stage_model.StageLM`) and rank 0's
+runner is the driver of stage 0: `submit` runs stage 0's layers and passes the command, its
+payload and the hidden states down the stage links (`pipeline.link`); every stage's runner does
+the same with what it receives, and the last stage sends the logits and requested hidden rows
+back. `collect` receives them, in submission order, so several forwards may be in flight
+(`pipeline.batch_queue`); `forward` is submit then collect. KV moves and LM-head calls travel
+the same links, behind the forwards sent before them, so each stage applies them in order.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import IntEnum
 
 import torch
 
 from specserve.kernels import copy_kv_slots
 
-from ..distributed import broadcast_from_rank0, send_command
+from ..distributed import WHOLE_MODEL, broadcast_from_rank0, send_command
+from ..pipeline.link import StageLink
 from .architectures import DecoderLM
 from .attention import AttentionMetadata
 
@@ -62,10 +72,14 @@ class Command(IntEnum):
     """What rank 0 asks the workers to do; header field 0 of each control message."""
 
     INIT_CACHE = 1  # [cmd, runner id, model, num_blocks, block_size]
-    FORWARD = 2  # [cmd, runner id, T, B, max_blocks, logit rows, max_query_len, has_mask]
+    # [cmd, runner id, T, B, max_blocks, logit rows, max_query_len, has_mask, hidden rows];
+    # on a pipeline link the hidden states [T, H] follow the payload
+    FORWARD = 2
     MOVE_KV = 3  # [cmd, runner id, number of moves]; payload: src slots, dst slots
     STOP = 4
-    LOGITS = 5  # [cmd, runner id, rows]; then the hidden rows [rows, H] over the model group
+    # [cmd, runner id, rows]; then the hidden rows [rows, H] over the model group (the stage's
+    # TP group) or the pipeline link
+    LOGITS = 5
 
 
 # Rank 0 numbers the runners that drive workers; a worker keeps one runner per number.
@@ -85,52 +99,98 @@ class StepInputs:
     logit_rows: torch.Tensor  # [R] int64, flat rows whose logits are wanted
     local_mask: torch.Tensor | None  # [T, max_query_len] bool; None = causal everywhere
     max_query_len: int
+    # [Hr] int64, flat rows whose final hidden states are wanted (the last stage returns them)
+    hidden_rows: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
+
+    FIELDS = 7  # len(header())
 
     def header(self) -> list[int]:
         """The FORWARD header's fields after [cmd, runner id]."""
         return [len(self.token_ids), len(self.context_lens), self.block_tables.shape[1],
-                len(self.logit_rows), self.max_query_len, int(self.local_mask is not None)]
+                len(self.logit_rows), self.max_query_len, int(self.local_mask is not None),
+                len(self.hidden_rows)]
 
     def payload(self) -> torch.Tensor:
         """Everything but the header, as one int64 tensor (one broadcast)."""
         parts = [self.token_ids, self.positions, self.slot_mapping, self.block_tables.flatten(),
-                 self.query_start_loc, self.context_lens, self.logit_rows]
+                 self.query_start_loc, self.context_lens, self.logit_rows, self.hidden_rows]
         if self.local_mask is not None:
             parts.append(self.local_mask.flatten())
         return torch.cat([p.to(torch.int64) for p in parts])
 
     @staticmethod
     def payload_len(header: Sequence[int]) -> int:
-        T, B, max_blocks, R, max_q, has_mask = header
-        return 3 * T + B * max_blocks + (B + 1) + B + R + (T * max_q if has_mask else 0)
+        T, B, max_blocks, R, max_q, has_mask, Hr = header
+        return 3 * T + B * max_blocks + (B + 1) + B + R + Hr + (T * max_q if has_mask else 0)
 
     @classmethod
     def unpack(cls, header: Sequence[int], payload: torch.Tensor) -> StepInputs:
-        T, B, max_blocks, R, max_q, has_mask = header
-        sizes = [T, T, T, B * max_blocks, B + 1, B, R, T * max_q if has_mask else 0]
-        ids, pos, slots, tables, qsl, ctx, rows, mask = payload.split(sizes)
+        T, B, max_blocks, R, max_q, has_mask, Hr = header
+        sizes = [T, T, T, B * max_blocks, B + 1, B, R, Hr, T * max_q if has_mask else 0]
+        ids, pos, slots, tables, qsl, ctx, rows, hidden_rows, mask = payload.split(sizes)
         return cls(ids, pos, slots, tables.view(B, max_blocks).to(torch.int32),
                    qsl.to(torch.int32), ctx.to(torch.int32), rows,
-                   mask.view(T, max_q).bool() if has_mask else None, max_q)
+                   mask.view(T, max_q).bool() if has_mask else None, max_q, hidden_rows)
+
+
+@dataclass
+class PendingResult:
+    """What rank 0 waits for from the last pipeline stage, in the order it was sent: tensors of
+    the given [rows, width] shapes and dtypes (results[i] once done)."""
+
+    shapes: list[tuple[int, int, torch.dtype]]
+    results: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        return len(self.results) == len(self.shapes)
+
+    @classmethod
+    def ready(cls, *results: torch.Tensor) -> PendingResult:
+        """Results computed here (no pipeline)."""
+        return cls([(len(r), r.shape[-1], r.dtype) for r in results], list(results))
+
+
+@dataclass
+class PendingForward:
+    """A submitted forward: its segments and inputs, and its logits [R, vocab] and hidden rows
+    [Hr, H] once `result` is done."""
+
+    segments: Sequence[Segment]
+    inputs: StepInputs
+    result: PendingResult
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderLM, num_blocks: int, block_size: int) -> None:
+    def __init__(self, model: DecoderLM, num_blocks: int, block_size: int,
+                 runner_id: int | None = None) -> None:
+        """`runner_id`: on a worker, the number rank 0's runner of this model has."""
         self.model = model
         self.block_size = block_size
         self.device, self.dtype = next(model.parameters()).device, model.dtype
         attn = model.layers[0].self_attn
-        # [L, 2, num_blocks, block_size, Hkv (this rank's), D]
+        # [L (this stage's), 2, num_blocks, block_size, Hkv (this rank's), D]
         self.kv_cache = torch.zeros(model.spec.num_layers, 2, num_blocks, block_size,
                                     attn.num_kv_heads, model.spec.head_dim,
                                     dtype=self.dtype, device=self.device)
         shard = model.shard
-        # Rank 0 of a split model drives the workers' runners of the same model.
-        self.drives_workers = shard.is_split and shard.rank == 0
-        self.runner_id = next(_runner_ids) if self.drives_workers else None
+        self.stage = getattr(model, "stage", WHOLE_MODEL)
+        # A pipeline stage's neighbours; None when the model is not split into stages.
+        self.link = StageLink.here(self.stage) if self.stage.is_split else None
+        # Rank 0 (stage 0, TP rank 0) drives the workers' runners of the same model: its
+        # stage's TP ranks by control broadcast, the later stages through the links.
+        driver = runner_id is None and shard.rank == 0 and self.stage.is_first
+        self.drives_workers = driver and shard.is_split
+        self.drives_pipeline = driver and self.link is not None
+        self.runner_id = (next(_runner_ids) if self.drives_workers or self.drives_pipeline
+                          else runner_id)
+        # Rank 0: results still to come from the last stage, oldest first.
+        self._in_flight: deque[PendingResult] = deque()
+        header = [Command.INIT_CACHE, self.runner_id, shard.model, num_blocks, block_size]
         if self.drives_workers:
-            send_command([Command.INIT_CACHE, self.runner_id, shard.model, num_blocks,
-                          block_size])
+            send_command(header)
+        if self.link is not None:
+            self.link.pass_on(header)
 
     def slots(self, block_table: Sequence[int], positions: Sequence[int]) -> list[int]:
         bs = self.block_size
@@ -141,24 +201,38 @@ class ModelRunner:
         """The LM head over final hidden states: [k, H] -> float32 [k, vocab].
 
         A split model's head is vocabulary-parallel: rank 0 sends the rows to the workers, every
-        rank computes its range of the vocabulary, and rank 0 gathers them."""
+        rank computes its range of the vocabulary, and rank 0 gathers them. Under pipeline
+        parallelism the rows travel to the last stage, and the logits come back."""
+        vocab = self.model.spec.vocab_size
         if len(hidden) == 0:
-            return torch.zeros(0, self.model.spec.vocab_size)
+            return torch.zeros(0, vocab)
         hidden = hidden.to(self.dtype).contiguous()
+        header = [Command.LOGITS, self.runner_id, len(hidden)]
         if self.drives_workers:
-            send_command([Command.LOGITS, self.runner_id, len(hidden)])
+            send_command(header)
             broadcast_from_rank0(hidden, self.model.shard)
-        return self.model.compute_logits(hidden)
+        if not self.drives_pipeline:
+            return self.model.compute_logits(hidden)
+        self.link.pass_on(header, hidden=hidden)
+        pending = self._expect([(len(hidden), vocab, torch.float32)])
+        self._wait(pending)
+        return pending.results[0]
 
-    def serve_logits(self, rows: int) -> None:
-        """Worker: receive rank 0's `logits` rows [rows, H] and compute this rank's part."""
-        hidden = torch.empty(rows, self.model.spec.hidden_size, dtype=self.dtype,
-                             device=self.device)
-        broadcast_from_rank0(hidden, self.model.shard)
+    def serve_logits(self, rows: int, hidden: torch.Tensor | None = None) -> None:
+        """Worker: compute this rank's part of rank 0's `logits` call on the rows [rows, H]
+        (received over the TP group when `hidden` is None), or pass them to the next stage."""
+        if hidden is None:
+            hidden = torch.empty(rows, self.model.spec.hidden_size, dtype=self.dtype,
+                                 device=self.device)
+            broadcast_from_rank0(hidden, self.model.shard)
+        if self.link is not None and not self.stage.is_last:
+            self.link.pass_on([Command.LOGITS, self.runner_id, rows], hidden=hidden)
+            return
         with torch.inference_mode():
-            self.model.compute_logits(hidden)
+            logits = self.model.compute_logits(hidden)  # [rows, vocab] on TP rank 0
+        if self.link is not None and logits is not None:
+            self.link.return_result(logits)
 
-    @torch.inference_mode()
     def forward(self, segments: Sequence[Segment],
                 hidden_out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """Run one forward; returns per segment the float32 logits [len(logit_rows), vocab].
@@ -167,24 +241,56 @@ class ModelRunner:
         `hidden_rows` ([len(hidden_rows), H]); the caller applies `logits` to them in chunks of
         its choosing, so no [rows, vocab] tensor of a whole prompt is ever needed.
         """
+        return self.collect(self.submit(segments), hidden_out)
+
+    @torch.inference_mode()
+    def submit(self, segments: Sequence[Segment]) -> PendingForward:
+        """Start a forward: this rank's layers run now; under pipeline parallelism the later
+        stages run it while the caller goes on (`collect` waits for its results)."""
         inputs = self.prepare(segments)
+        header = [Command.FORWARD, self.runner_id, *inputs.header()]
         if self.drives_workers:
-            send_command([Command.FORWARD, self.runner_id, *inputs.header()], inputs.payload())
+            send_command(header, inputs.payload())
         hidden = self._hidden(inputs, self._target_hidden(segments))  # [T, H]
+        if self.drives_pipeline:
+            self.link.pass_on(header, inputs.payload(), hidden)
+            result = self._expect([(len(inputs.logit_rows), self.model.spec.vocab_size,
+                                    torch.float32),
+                                   (len(inputs.hidden_rows), self.model.spec.hidden_size,
+                                    self.dtype)])
+            return PendingForward(segments, inputs, result)
         logits = self._logit_rows(hidden, inputs)
         if logits is None:  # no segment wants logits
             logits = torch.zeros(0, self.model.spec.vocab_size)
+        return PendingForward(segments, inputs, PendingResult.ready(
+            logits, hidden[inputs.hidden_rows.to(self.device)]))
+
+    def collect(self, pending: PendingForward, hidden_out: list[torch.Tensor] | None = None
+                ) -> list[torch.Tensor]:
+        """A submitted forward's logits per segment (waiting for the last stage's results, and
+        those of every forward submitted before it); `hidden_out` as in `forward`."""
+        self._wait(pending.result)
+        logits, hidden = pending.result.results
+        segments = pending.segments
         if hidden_out is not None:
-            starts = inputs.query_start_loc.tolist()
-            hidden_out += [hidden[start + torch.tensor(seg.hidden_rows, dtype=torch.long,
-                                                       device=self.device)]
-                           if seg.hidden_rows else hidden[:0]
-                           for seg, start in zip(segments, starts)]
+            hidden_out += list(hidden.split([len(s.hidden_rows) for s in segments]))
         return list(logits.split([len(s.logit_rows) for s in segments]))
+
+    def _expect(self, shapes: list[tuple[int, int, torch.dtype]]) -> PendingResult:
+        pending = PendingResult(shapes)
+        self._in_flight.append(pending)
+        return pending
+
+    def _wait(self, pending: PendingResult) -> None:
+        """Receive the last stage's results, in order, up to and including `pending`'s."""
+        while not pending.done:
+            oldest = self._in_flight.popleft()
+            oldest.results = [self.link.result(rows, width, dtype, self.device)
+                              for rows, width, dtype in oldest.shapes]
 
     def prepare(self, segments: Sequence[Segment]) -> StepInputs:
         """Flatten the segments into one batch's inputs (host tensors)."""
-        ids, positions, slot_mapping, logit_rows = [], [], [], []
+        ids, positions, slot_mapping, logit_rows, hidden_rows = [], [], [], [], []
         query_start, context_lens = [0], []
         max_blocks = max(len(s.block_table) for s in segments)
         block_tables = torch.zeros(len(segments), max_blocks, dtype=torch.int32)
@@ -195,6 +301,7 @@ class ModelRunner:
             positions.extend(seg.positions)
             slot_mapping.extend(self.slots(seg.block_table, range(seg.start, seg.start + n)))
             logit_rows.extend(offset + r for r in seg.logit_rows)
+            hidden_rows.extend(offset + r for r in seg.hidden_rows)
             query_start.append(offset + n)
             context_lens.append(seg.start)
             block_tables[b, : len(seg.block_table)] = torch.tensor(seg.block_table,
@@ -209,16 +316,30 @@ class ModelRunner:
             context_lens=torch.tensor(context_lens, dtype=torch.int32),
             logit_rows=torch.tensor(logit_rows, dtype=torch.int64),
             local_mask=self._local_mask(segments, query_start, max_q),
-            max_query_len=max_q)
+            max_query_len=max_q,
+            hidden_rows=torch.tensor(hidden_rows, dtype=torch.int64))
 
     @torch.inference_mode()
-    def execute(self, inputs: StepInputs) -> torch.Tensor | None:
-        """Run this rank's shard; float32 logits [R, vocab] on rank 0, None elsewhere or if R=0.
+    def execute(self, inputs: StepInputs, hidden_in: torch.Tensor | None = None
+                ) -> torch.Tensor | None:
+        """Run this rank's shard; float32 logits [R, vocab] on the (last stage's) TP rank 0,
+        None elsewhere or if R=0.
 
         Every rank of a split model calls this with the same inputs (the collectives inside
-        pair up in order).
+        pair up in order). `hidden_in` [T, H]: the previous stage's output, on a later stage.
+        A stage with a next one passes the forward on; the last returns its results to rank 0.
         """
-        return self._logit_rows(self._hidden(inputs), inputs)
+        hidden = self._hidden(inputs, hidden_in=hidden_in)  # [T, H]
+        if self.link is not None and not self.stage.is_last:
+            self.link.pass_on([Command.FORWARD, self.runner_id, *inputs.header()],
+                              inputs.payload(), hidden)
+            return None
+        logits = self._logit_rows(hidden, inputs)
+        if self.link is not None:
+            if logits is not None:
+                self.link.return_result(logits)
+            self.link.return_result(hidden[inputs.hidden_rows.to(self.device)])
+        return logits
 
     def _target_hidden(self, segments: Sequence[Segment]) -> torch.Tensor | None:
         """[T, H] the segments' `target_hidden` rows stacked (a draft that reads them runs
@@ -229,9 +350,11 @@ class ModelRunner:
             raise ValueError("every segment of a hidden-reading draft needs target_hidden")
         return torch.cat([seg.target_hidden for seg in segments]).to(self.device)
 
-    def _hidden(self, inputs: StepInputs, target_hidden: torch.Tensor | None = None
-                ) -> torch.Tensor:
-        """The final hidden states [T, H] of this rank's shard (replicated across ranks)."""
+    def _hidden(self, inputs: StepInputs, target_hidden: torch.Tensor | None = None,
+                hidden_in: torch.Tensor | None = None) -> torch.Tensor:
+        """The hidden states [T, H] after this rank's shard (replicated across the TP ranks):
+        the final ones, or this pipeline stage's output. `hidden_in` [T, H]: a later stage's
+        input in place of the token ids."""
         dev = self.device
         mask = inputs.local_mask
         meta = AttentionMetadata(
@@ -242,8 +365,8 @@ class ModelRunner:
             local_mask=mask.to(dev) if mask is not None else None,
             max_query_len=inputs.max_query_len,
         )
-        return self.model(inputs.token_ids.to(dev), inputs.positions.to(dev), self.kv_cache,
-                          meta, target_hidden)
+        first = inputs.token_ids.to(dev) if hidden_in is None else hidden_in
+        return self.model(first, inputs.positions.to(dev), self.kv_cache, meta, target_hidden)
 
     def _logit_rows(self, hidden: torch.Tensor, inputs: StepInputs) -> torch.Tensor | None:
         if len(inputs.logit_rows) == 0:
@@ -276,7 +399,10 @@ class ModelRunner:
         self.copy_slots(slots)
 
     def copy_slots(self, slots: torch.Tensor) -> None:
-        """slots [2n] int64: the n source slots, then the n destination slots."""
+        """slots [2n] int64: the n source slots, then the n destination slots (passed on to
+        the next pipeline stage first: every stage moves its own layers' KV)."""
+        if self.link is not None:
+            self.link.pass_on([Command.MOVE_KV, self.runner_id, len(slots) // 2], slots)
         src, dst = slots.to(self.device).chunk(2)
         copy_kv_slots(self.kv_cache, src, dst)
 
@@ -299,6 +425,7 @@ class ModelRunner:
         self.kv_cache.index_copy_(2, index, kv.to(self.device))
 
     def _check_whole(self, what: str) -> None:
-        # A split model's other ranks hold the other heads; moving them is not built yet.
-        if self.drives_workers:
-            raise NotImplementedError(f"cannot {what} KV blocks of a tensor-parallel model")
+        # A split model's other ranks hold the other heads or layers; moving them is not built.
+        if self.drives_workers or self.drives_pipeline:
+            raise NotImplementedError(f"cannot {what} KV blocks of a tensor- or "
+                                      f"pipeline-parallel model")
