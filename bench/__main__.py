@@ -47,6 +47,8 @@ SUBCOMMANDS = {
     "tp": Subcommand("tp", "tensor parallelism: tp=1 against tp=N, and the collectives' cost"),
     "disagg": Subcommand("disagg", "prefill/decode split: KV transfer cost per token and "
                                    "block, running chats' gaps while a long prompt arrives"),
+    "scale": Subcommand("scale", "Ray Serve replicas: prefix-aware routing against round "
+                                 "robin, the gateway's cost, memory per replica"),
     "structured": Subcommand("structured", "structured output: grammar cost per token and "
                                            "acceptance, constrained against free"),
     "report": Subcommand("report", "plots of bench/results/current.json into bench/plots/"),
