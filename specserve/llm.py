@@ -11,9 +11,10 @@ from .engine.core import EngineCore
 from .model.tp_worker import launch as launch_tensor_parallel
 from .named_models import demo_pair, resolve_models
 from .outputs import RequestOutput
+from .pipeline.batch_queue import PipelinedEngine
 from .sampling import SamplingParams
 
-__all__ = ["LLM", "build_engine_config", "demo_pair"]
+__all__ = ["LLM", "build_engine_config", "demo_pair", "make_engine"]
 
 
 def build_engine_config(target=None, draft=None, speculation=None, dtype="auto", tp: int = 1,
@@ -24,6 +25,11 @@ def build_engine_config(target=None, draft=None, speculation=None, dtype="auto",
     target, draft = resolve_models(target, draft)
     return EngineConfig.from_options(target, draft, speculation, dtype, tp, quantization,
                                      draft_quantization, pp=pp, **options)
+
+
+def make_engine(config: EngineConfig) -> EngineCore:
+    """The engine for a config: with pipeline stages, one that keeps micro-batches in flight."""
+    return PipelinedEngine(config) if config.pp > 1 else EngineCore(config)
 
 
 class LLM:
@@ -40,7 +46,7 @@ class LLM:
         # shard.
         self.tensor_parallel = launch_tensor_parallel(config)
         try:
-            self.engine = EngineCore(config)
+            self.engine = make_engine(config)
         except BaseException:
             self.shutdown()
             raise
