@@ -38,12 +38,16 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                    "target over (spawned on this machine, or the ranks torchrun started)")
     p.add_argument("--draft-tp", type=int, default=1, help="1: the draft runs whole on rank 0 "
                    "(default); the --tp value: split like the target")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages to split the target's "
+                   "layers over, each of --tp ranks (tp x pp processes: spawned on this "
+                   "machine, or the ranks torchrun started)")
 
 
 def _engine_options(args: argparse.Namespace) -> dict:
     return dict(target=args.target, draft=args.draft, speculation=args.speculation,  # noqa: C408
                 dtype=args.dtype, device=args.device, quantization=args.quantization,
-                draft_quantization=args.draft_quantization, tp=args.tp, draft_tp=args.draft_tp)
+                draft_quantization=args.draft_quantization, tp=args.tp, draft_tp=args.draft_tp,
+                pp=args.pp)
 
 
 # ---- serve --------------------------------------------------------------------------------
@@ -90,8 +94,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.replicas is not None or args.ray_address is not None:
         return run_serve_cluster(args)
     from .disagg.roles import role_engine, role_routes
-    from .engine.core import EngineCore
-    from .llm import build_engine_config
+    from .llm import build_engine_config, make_engine
     from .model.tp_worker import launch as launch_tensor_parallel
     from .server import ServerLimits, create_app, uvicorn_config
     from .server.drain import DrainingServer
@@ -100,8 +103,9 @@ def run_serve(args: argparse.Namespace) -> int:
     workers = None
     try:
         engine_config = build_engine_config(**_engine_options(args))
-        workers = launch_tensor_parallel(engine_config)  # tp > 1; other torchrun ranks stay in
-        core = EngineCore(engine_config)
+        # tp x pp > 1; other torchrun ranks stay in
+        workers = launch_tensor_parallel(engine_config)
+        core = make_engine(engine_config)
         engine = role_engine(core, args)  # --role prefill/decode: specserve.disagg
     except (FileNotFoundError, ValueError) as exc:  # no demo pair yet, bad folder or option
         print(f"specserve serve: {exc}", file=sys.stderr)
@@ -119,7 +123,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if workers is not None:  # a dead rank ends the server at once instead of failing requests
         workers.on_failure(lambda message: server.exit_without_drain())
     print(f"specserve: serving {app.state.server.model_name} "
-          f"(speculation {core.default_mode}, tp {engine_config.tp}) on "
+          f"(speculation {core.default_mode}, tp {engine_config.tp}, pp {engine_config.pp}) on "
           f"http://{args.host}:{args.port}", file=sys.stderr, flush=True)
     if hosts is None:
         print("specserve: any Host header is accepted; name the served hosts with "
@@ -147,8 +151,8 @@ def run_serve_cluster(args: argparse.Namespace) -> int:
         return fail("--ray-address needs --replicas N")
     if args.replicas < 1:
         return fail(f"--replicas must be at least 1, got {args.replicas}")
-    if args.tp != 1 or args.draft_tp != 1:
-        return fail("--tp and --draft-tp are not supported with --replicas yet")
+    if args.tp != 1 or args.draft_tp != 1 or args.pp != 1:
+        return fail("--tp, --draft-tp and --pp are not supported with --replicas yet")
     try:
         from .cluster import ClusterOptions
         from .cluster.launch import serve_forever
