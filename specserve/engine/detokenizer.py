@@ -38,3 +38,12 @@ class IncrementalDetokenizer:
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.ids)
         return full[len(prefix):]
+
+    def flush(self) -> str:
+        """The text held back for an incomplete character, at the end of the output: the bytes
+        that never completed decode as U+FFFD, as a decode of the whole output shows them."""
+        decode = self.tokenizer.decode
+        prefix = decode(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=True)
+        full = decode(self.ids[self.prefix_offset:], skip_special_tokens=True)
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return full[len(prefix):]

@@ -178,6 +178,8 @@ class Request:
             self.finish("stop")
         elif len(self.output_token_ids) >= self.params.max_tokens:
             self.finish("length")
+        if self.is_finished and self.detokenizer is not None:
+            self.output_text += self.detokenizer.flush()
         return self.is_finished
 
     def _apply_stop_strings(self) -> bool:

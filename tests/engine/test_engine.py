@@ -131,6 +131,16 @@ def test_detokenizer_never_emits_a_broken_character():
     assert all("\ufffd" not in p for p in pieces)
 
 
+def test_an_incomplete_last_character_is_flushed_at_the_end():
+    """Output that stops inside a character: streaming held its bytes back, and the end gives
+    them as the full decode does (U+FFFD), so streamed text equals the final text."""
+    detok = IncrementalDetokenizer(ByteTokenizer(), list(b"ok "))
+    pieces = [detok.push(b) for b in "a✓".encode()[:-1]]  # "a", then 2 of ✓'s 3 bytes
+    assert "".join(pieces) == "a"
+    assert detok.flush() == bytes("✓".encode()[:-1]).decode("utf-8", errors="replace")
+    assert detok.flush() == ""
+
+
 def test_streamed_text_equals_final_text_with_multibyte(tiny_target):
     llm = LLM(tiny_target)
     tok = llm.tokenizer
