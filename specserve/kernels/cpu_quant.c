@@ -3,13 +3,15 @@
  *
  * y[m, n] = sum_k x[m, k] * dequant(w)[n, k] (+ bias[n])
  *   x [M, K] bf16 or fp32; w [N, ceil(K / 32)] blocks in GGUF's own byte format, the rows in
- *   one of two orders (`group`): 1, GGUF's own (row by row, so a .gguf file's Q8_0 / Q4_0 /
- *   Q4_1 rows can run as they are), or ROW_GROUP: each group of ROW_GROUP consecutive rows
- *   (the last may hold fewer) stored block by block, the group's rows' block 0, then their
- *   block 1, ... (quant_reference.py: QuantizedWeight.with_row_group). A thread then reads its
- *   weights as one sequential stream instead of one short stream per row of a tile: 2-core
- *   Zen 3, the widened model's 24 layers of Q8_0 from memory at one activation row, about
- *   23 -> 19 ms. y [M, N] bf16 or fp32.
+ *   one of three orders (`group`): 1, GGUF's own (row by row, so a .gguf file's Q8_0 / Q4_0 /
+ *   Q4_1 rows can run as they are); ROW_GROUP: each group of ROW_GROUP consecutive rows (the
+ *   last may hold fewer) stored block by block, the group's rows' block 0, then their block 1,
+ *   ... (quant_reference.py: QuantizedWeight.with_row_group). A thread then reads its weights
+ *   as one sequential stream instead of one short stream per row of a tile: 2-core Zen 3, the
+ *   widened model's 24 layers of Q8_0 from memory at one activation row, about 23 -> 19 ms. Or
+ *   TILE_ROWS, for integer activations only: groups of eight rows, block by block, each block
+ *   of the group interleaved word by word (see "the tiled row order" below).
+ *   y [M, N] bf16 or fp32.
  *
  * Block formats, 32 weights each (ggml-common.h):
  *   Q8_0: fp16 d, int8 q[32]                              w = q * d
@@ -74,7 +76,8 @@ enum { FMT_Q8_0 = 0, FMT_Q4_0 = 1, FMT_Q4_1 = 2 };
 #define QK 32
 #define GROUPS (QK / VF) /* vectors per block */
 #define MR_MAX 6
-#define ROW_GROUP 4 /* the grouped row order's group: the integer path's tile */
+#define ROW_GROUP 4 /* the grouped row order's group */
+#define TILE_ROWS 16 /* the tiled row order's group (integer activations only, N % 16 == 0) */
 
 static inline int block_bytes(int fmt) { return fmt == FMT_Q8_0 ? 34 : fmt == FMT_Q4_0 ? 18 : 20; }
 
@@ -152,7 +155,7 @@ SIMD_INLINE const uint8_t *block_at(tile_rows t, int r, int64_t blk) {
 /* MR activation rows x NR weight rows over all K (x padded with zeros to whole blocks):
  * acc[i][r] sums row i's products with weight row r, one vector per output. */
 SIMD_INLINE void micro_kernel(const int MR, const int NR, const int fmt, const float *x,
-                              int64_t kp, tile_rows w, int64_t nb, float out[MR_MAX][4]) {
+                              int64_t kp, tile_rows w, int64_t nb, float out[MR_MAX][TILE_ROWS]) {
     vf acc[MR_MAX][4];
 #pragma GCC unroll 8
     for (int i = 0; i < MR; i++)
@@ -203,7 +206,7 @@ SIMD_INLINE void micro_kernel(const int MR, const int NR, const int fmt, const f
 
 /* Sums of mr activation rows (fp32, row stride kp) against nr weight rows. */
 static void chunk(const float *xs, int mr, tile_rows ws, int nr, int fmt, int64_t kp, int64_t nb,
-                  float out[MR_MAX][4]) {
+                  float out[MR_MAX][TILE_ROWS]) {
     switch (nr) {
         case 4: DISPATCH(4) break;
         case 3: DISPATCH(3) break;
@@ -217,7 +220,7 @@ static void chunk(const float *xs, int mr, tile_rows ws, int nr, int fmt, int64_
 /* Computes out[i][r] = the sums of activation rows m0 .. m0 + mr - 1 with weight rows
  * n0 .. n0 + nr - 1 (mr <= MR_MAX, nr <= 4). */
 typedef void (*tile_fn)(const void *ctx, int64_t m0, int mr, int64_t n0, int nr,
-                        float out[MR_MAX][4]);
+                        float out[MR_MAX][TILE_ROWS]);
 
 /* Runs fn over tiles of `tile` weight rows (split across threads) and, inside each tile, over
  * chunks of at most MR_MAX activation rows; adds bias [N] (or NULL) and stores y [M, N] in
@@ -233,7 +236,7 @@ static void run_tiles(tile_fn fn, const void *ctx, int tile, const void *bias, v
         for (int64_t c = 0; c < chunks; c++) { /* balanced: 7 rows run as 4 + 3 */
             const int64_t left = M - m0, parts = chunks - c;
             const int mr = (int)((left + parts - 1) / parts);
-            float out[MR_MAX][4];
+            float out[MR_MAX][TILE_ROWS];
             fn(ctx, m0, mr, n0, nr, out);
             for (int i = 0; i < mr; i++)
                 for (int r = 0; r < nr; r++) {
@@ -273,7 +276,7 @@ typedef struct {
 } f32_ctx;
 
 static void f32_tile(const void *ctx, int64_t m0, int mr, int64_t n0, int nr,
-                     float out[MR_MAX][4]) {
+                     float out[MR_MAX][TILE_ROWS]) {
     const f32_ctx *c = ctx;
     chunk(c->x + m0 * c->kp, mr,
           weight_rows(c->w, c->group, n0, c->N, c->row_bytes, block_bytes(c->fmt)), nr, c->fmt,
@@ -317,11 +320,12 @@ typedef struct {
 } int_ctx;
 
 /* One activation row (kp fp32 values, whole blocks) to integer blocks, as the header defines:
- * levels L = 127 (int8) or 32767 (int16). |x * id| <= L (1 + 2^-23)^2, so every value rounds
- * into [-L, L]; rounding is the default mode's, half to even (lrintf, or cvtps2dq under the
- * default MXCSR). */
-static void quantize_row(const float *x, int64_t nb, const int act, void *q, float *d, float *s,
-                         int32_t *sum) {
+ * levels L = 127 (act ACT_Q8) or 32767 (ACT_Q16), stored as int16 when `wide` (always for
+ * ACT_Q16; the tiled order's kernel multiplies int16 pairs, so it takes Q8 values as int16
+ * too), else int8. |x * id| <= L (1 + 2^-23)^2, so every value rounds into [-L, L]; rounding is
+ * the default mode's, half to even (lrintf, or cvtps2dq under the default MXCSR). */
+static void quantize_row(const float *x, int64_t nb, const int act, const int wide, void *q,
+                         float *d, float *s, int32_t *sum) {
     const float levels = act == ACT_Q16 ? 32767.0f : 127.0f;
     for (int64_t b = 0; b < nb; b++) {
         const float *xb = x + b * QK;
@@ -340,7 +344,7 @@ static void quantize_row(const float *x, int64_t nb, const int act, void *q, flo
         for (int g = 0; g < 4; g++) iv[g] = _mm256_cvtps_epi32(_mm256_mul_ps(v[g], _mm256_set1_ps(id)));
         /* Saturating packs are exact here; they interleave per 128-bit lane, so restore k order. */
         const __m256i w01 = _mm256_packs_epi32(iv[0], iv[1]), w23 = _mm256_packs_epi32(iv[2], iv[3]);
-        if (act == ACT_Q16) {
+        if (wide) {
             int16_t *qb = (int16_t *)q + b * QK;
             _mm256_storeu_si256((__m256i *)qb, _mm256_permute4x64_epi64(w01, 0xd8));
             _mm256_storeu_si256((__m256i *)(qb + 16), _mm256_permute4x64_epi64(w23, 0xd8));
@@ -364,7 +368,7 @@ static void quantize_row(const float *x, int64_t nb, const int act, void *q, flo
         int32_t total = 0;
         for (int j = 0; j < QK; j++) {
             const long v = lrintf(xb[j] * id);
-            if (act == ACT_Q16) ((int16_t *)q)[b * QK + j] = (int16_t)v;
+            if (wide) ((int16_t *)q)[b * QK + j] = (int16_t)v;
             else ((int8_t *)q)[b * QK + j] = (int8_t)v;
             total += (int32_t)v;
         }
@@ -460,7 +464,7 @@ SIMD_INLINE __m256i block_dot16(const __m256i words[2], const int16_t *x) {
 /* MR activation rows x NR weight rows over all blocks: one fp32 lane per output. */
 SIMD_INLINE void int_micro_kernel(const int MR, const int NR, const int fmt, const int act,
                                   const int_ctx *c, int64_t m0, tile_rows w,
-                                  float out[MR_MAX][4]) {
+                                  float out[MR_MAX][TILE_ROWS]) {
     __m128 acc[MR_MAX];
 #pragma GCC unroll 8
     for (int i = 0; i < MR; i++) acc[i] = _mm_setzero_ps();
@@ -521,7 +525,7 @@ SIMD_INLINE void int_micro_kernel(const int MR, const int NR, const int fmt, con
 /* Portable C: the same integers, one output at a time, and the same fp32 operations. */
 SIMD_INLINE void int_micro_kernel(const int MR, const int NR, const int fmt, const int act,
                                   const int_ctx *c, int64_t m0, tile_rows w,
-                                  float out[MR_MAX][4]) {
+                                  float out[MR_MAX][TILE_ROWS]) {
     float acc[MR_MAX][4] = {{0}};
     for (int64_t blk = 0; blk < c->nb; blk++) {
         for (int r = 0; r < NR; r++) {
@@ -569,8 +573,183 @@ SIMD_INLINE void int_micro_kernel(const int MR, const int NR, const int fmt, con
 #define INT_DISPATCH(NR)                                                          \
     if (c->act == ACT_Q16) INT_DISPATCH_FMT(NR, ACT_Q16) else INT_DISPATCH_FMT(NR, ACT_Q8)
 
+/* ---- the tiled row order: eight weight rows' blocks interleaved by 16-bit words ------------- */
+
+/* group == TILE_ROWS: each group of 8 rows is stored block by block, and each block of the
+ * group as the 8 rows' first 16-bit words, then their second words, ... (word t of row r's
+ * block at word t * 8 + r; quant_reference.QuantizedWeight.with_row_group). Blocks are 34, 18
+ * or 20 bytes, whole words, so every format interleaves alike and the bytes are the same.
+ *
+ * Why: one 16-byte load then holds weights k, k + 1 of all eight rows (Q8_0: word j is weights
+ * 2j, 2j + 1; 4-bit: word j's low nibbles are weights 2j, 2j + 1 and its high nibbles 2j + 16,
+ * 2j + 17), so widened to int16 and multiplied by one activation pair broadcast to every lane
+ * (VPMADDWD), each int32 lane sums one row's products. A block's eight dot products accumulate
+ * vertically, one lane per output, with no horizontal reduction, and the eight rows' scales are
+ * one 16-byte load too. The grouped kernel's reduction of four rows' partial sums (sum4) cost
+ * about as many instructions as its products; on a first-generation Zen, whose one 128-bit
+ * integer multiplier bounds the products, that halves what many rows get through.
+ *
+ * The numbers are the integer path's: the same exact isums, then v = (dw dx) isum (+ m s) and
+ * acc + v per block in k order, so the tiled and grouped orders give the same bits. */
+#if defined(SPECSERVE_ISA_AVX512) || defined(SPECSERVE_ISA_AVX2)
+/* The activation pair at x (two int16) in every int32 lane. */
+SIMD_INLINE __m256i pair_at(const int16_t *x) {
+    int32_t pair;
+    memcpy(&pair, x, sizeof pair);
+    return _mm256_set1_epi32(pair);
+}
+
+/* acc + the products of eight rows' weight pairs w (int16 pairs, one row per int32 lane) with
+ * the activation pair xp (pair_at). */
+SIMD_INLINE __m256i pair_dot(__m256i acc, __m256i w, __m256i xp) {
+#if defined(SPECSERVE_ISA_AVX512)
+    return _mm256_dpwssd_epi32(acc, w, xp);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(w, xp));
+#endif
+}
+
+/* MR activation rows (int16 blocks) x NG halves of a tiled group from half h0 on (8 weight
+ * rows each): out[i][8 h + r]. Both halves at once share each activation broadcast (few rows);
+ * one half at a time leaves registers for more rows. */
+SIMD_INLINE void tiled_micro_kernel(const int MR, const int NG, const int h0, const int fmt,
+                                    const int_ctx *c, int64_t m0, const uint8_t *group,
+                                    float out[MR_MAX][TILE_ROWS]) {
+    const int bb = block_bytes(fmt), header = fmt == FMT_Q4_1 ? 4 : 2;
+    __m256 acc[MR_MAX][2];
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; i++)
+        for (int h = 0; h < NG; h++) acc[i][h] = _mm256_setzero_ps();
+    for (int64_t blk = 0; blk < c->nb; blk++) {
+        const uint8_t *t = group + blk * TILE_ROWS * bb;
+        for (int line = 0; line < TILE_ROWS * bb; line += 64)
+            __builtin_prefetch(t + TILE_ROWS * c->row_bytes + line);
+        __m256 dw[2], mw[2];
+        for (int h = 0; h < NG; h++) {
+            const int half = 16 * (h0 + h); /* bytes: 8 rows' words */
+            dw[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + half)));
+            mw[h] = fmt == FMT_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 32 + half)))
+                                    : _mm256_setzero_ps();
+        }
+        const uint8_t *values = t + TILE_ROWS * header + 16 * h0;
+        const int16_t *x[MR_MAX];
+        __m256i isum[MR_MAX][2];
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; i++) {
+            x[i] = (const int16_t *)c->q + (m0 + i) * c->kp + blk * QK;
+            for (int h = 0; h < NG; h++) isum[i][h] = _mm256_setzero_si256();
+        }
+        if (fmt == FMT_Q8_0) {
+#pragma GCC unroll 4
+            for (int j = 0; j < 16; j++) {
+                __m256i w[2];
+                for (int h = 0; h < NG; h++)
+                    w[h] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(values + 32 * j + 16 * h)));
+#pragma GCC unroll 8
+                for (int i = 0; i < MR; i++) {
+                    const __m256i xp = pair_at(x[i] + 2 * j);
+                    for (int h = 0; h < NG; h++) isum[i][h] = pair_dot(isum[i][h], w[h], xp);
+                }
+            }
+        } else {
+#pragma GCC unroll 4
+            for (int j = 0; j < 8; j++) {
+                __m256i low[2], high[2];
+                for (int h = 0; h < NG; h++) {
+                    const __m256i bytes = _mm256_cvtepu8_epi16(
+                        _mm_loadu_si128((const __m128i *)(values + 32 * j + 16 * h)));
+                    low[h] = _mm256_and_si256(bytes, _mm256_set1_epi16(0x0f));
+                    high[h] = _mm256_srli_epi16(bytes, 4);
+                }
+#pragma GCC unroll 8
+                for (int i = 0; i < MR; i++) {
+                    const __m256i xl = pair_at(x[i] + 2 * j), xh = pair_at(x[i] + 16 + 2 * j);
+                    for (int h = 0; h < NG; h++) {
+                        isum[i][h] = pair_dot(isum[i][h], low[h], xl);
+                        isum[i][h] = pair_dot(isum[i][h], high[h], xh);
+                    }
+                }
+            }
+        }
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; i++) {
+            const int64_t at = (m0 + i) * c->nb + blk;
+            const __m256 dx = _mm256_set1_ps(c->d[at]);
+            for (int h = 0; h < NG; h++) {
+                __m256i is = isum[i][h];
+                if (fmt == FMT_Q4_0) is = _mm256_sub_epi32(is, _mm256_set1_epi32(8 * c->sum[at]));
+                __m256 v = _mm256_mul_ps(_mm256_mul_ps(dw[h], dx), _mm256_cvtepi32_ps(is));
+                if (fmt == FMT_Q4_1) v = _mm256_add_ps(v, _mm256_mul_ps(mw[h], _mm256_set1_ps(c->s[at])));
+                acc[i][h] = _mm256_add_ps(acc[i][h], v);
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; i++)
+        for (int h = 0; h < NG; h++) _mm256_storeu_ps(out[i] + 8 * (h0 + h), acc[i][h]);
+}
+#else
+/* Portable C: the same integers and the same fp32 operations, one output at a time. */
+SIMD_INLINE void tiled_micro_kernel(const int MR, const int NG, const int h0, const int fmt,
+                                    const int_ctx *c, int64_t m0, const uint8_t *group,
+                                    float out[MR_MAX][TILE_ROWS]) {
+    const int bb = block_bytes(fmt), header = fmt == FMT_Q4_1 ? 4 : 2;
+    float acc[MR_MAX][TILE_ROWS] = {{0}};
+    for (int64_t blk = 0; blk < c->nb; blk++) {
+        const uint8_t *t = group + blk * TILE_ROWS * bb;
+        for (int r = 8 * h0; r < 8 * (h0 + NG); r++) {
+            uint8_t b[34]; /* row r's block, back in GGUF's byte order */
+            for (int word = 0; word < bb / 2; word++) memcpy(b + 2 * word, t + 2 * (word * TILE_ROWS + r), 2);
+            const uint8_t *values = b + header;
+            int32_t q[QK];
+            for (int j = 0; j < QK; j++) {
+                const int nibble = j < 16 ? values[j] & 0x0f : values[j - 16] >> 4;
+                q[j] = fmt == FMT_Q8_0 ? (int8_t)values[j] : nibble;
+            }
+            const float dw = f16_to_f32((uint16_t)(b[0] | (b[1] << 8)));
+            const float mw = fmt == FMT_Q4_1 ? f16_to_f32((uint16_t)(b[2] | (b[3] << 8))) : 0.0f;
+            for (int i = 0; i < MR; i++) {
+                const int64_t row = m0 + i, at = row * c->nb + blk;
+                const int16_t *x = (const int16_t *)c->q + row * c->kp + blk * QK;
+                int32_t isum = 0;
+                for (int j = 0; j < QK; j++) isum += q[j] * x[j];
+                if (fmt == FMT_Q4_0) isum -= 8 * c->sum[at];
+                float v = (dw * c->d[at]) * (float)isum;
+                if (fmt == FMT_Q4_1) v = v + mw * c->s[at];
+                acc[i][r] = acc[i][r] + v;
+            }
+        }
+    }
+    for (int i = 0; i < MR; i++)
+        for (int r = 8 * h0; r < 8 * (h0 + NG); r++) out[i][r] = acc[i][r];
+}
+#endif
+
+/* Up to 3 rows: both halves of the group at once; more: one half at a time. */
+#define TILED_DISPATCH_MR(FMT)                                                          \
+    switch (mr) {                                                                       \
+        case 1: tiled_micro_kernel(1, 2, 0, FMT, c, m0, group, out); break;             \
+        case 2: tiled_micro_kernel(2, 2, 0, FMT, c, m0, group, out); break;             \
+        case 3: tiled_micro_kernel(3, 2, 0, FMT, c, m0, group, out); break;             \
+        case 4: for (int h = 0; h < 2; h++) tiled_micro_kernel(4, 1, h, FMT, c, m0, group, out); break; \
+        case 5: for (int h = 0; h < 2; h++) tiled_micro_kernel(5, 1, h, FMT, c, m0, group, out); break; \
+        default: for (int h = 0; h < 2; h++) tiled_micro_kernel(6, 1, h, FMT, c, m0, group, out); break; \
+    }
+
+static void tiled_tile(const void *ctx, int64_t m0, int mr, int64_t n0, int nr,
+                       float out[MR_MAX][TILE_ROWS]) {
+    (void)nr; /* always TILE_ROWS: the order needs N % TILE_ROWS == 0 */
+    const int_ctx *c = ctx;
+    const uint8_t *group = c->w + n0 * c->row_bytes;
+    switch (c->fmt) {
+        case FMT_Q8_0: TILED_DISPATCH_MR(FMT_Q8_0) break;
+        case FMT_Q4_0: TILED_DISPATCH_MR(FMT_Q4_0) break;
+        default: TILED_DISPATCH_MR(FMT_Q4_1) break;
+    }
+}
+
 static void int_tile(const void *ctx, int64_t m0, int mr, int64_t n0, int nr,
-                     float out[MR_MAX][4]) {
+                     float out[MR_MAX][TILE_ROWS]) {
     const int_ctx *c = ctx;
     const tile_rows ws = weight_rows(c->w, c->group, n0, c->N, c->row_bytes, block_bytes(c->fmt));
     switch (nr) {
@@ -582,17 +761,19 @@ static void int_tile(const void *ctx, int64_t m0, int mr, int64_t n0, int nr,
 }
 
 /* As quant_matmul, with the activations quantized to integer blocks of act bits (ACT_Q8 or
- * ACT_Q16, see the header). Returns 0, -1 when the activation buffers cannot be allocated, -2
- * for another act, or -3 for another group (nothing written in any case). */
+ * ACT_Q16, see the header); group may also be TILE_ROWS (the tiled order) when N is a
+ * multiple of it. Returns 0, -1 when the activation buffers cannot be allocated, -2 for another
+ * act, or -3 for another group (nothing written in any case). */
 int quant_matmul_int(const void *x, int x_bf16, const uint8_t *w, int fmt, int group,
                      const void *bias, void *y, int y_bf16, int64_t M, int64_t N, int64_t K,
                      int act, int num_threads) {
     if (act != ACT_Q8 && act != ACT_Q16) return -2;
-    if (group != 1 && group != ROW_GROUP) return -3;
+    if (group != 1 && group != ROW_GROUP && !(group == TILE_ROWS && N % TILE_ROWS == 0)) return -3;
+    const int wide = act == ACT_Q16 || group == TILE_ROWS, q_width = wide ? 2 : 1;
     const int64_t nb = (K + QK - 1) / QK, kp = nb * QK, row_bytes = nb * block_bytes(fmt);
     /* One allocation: q [M, kp] int8 or int16, then d, s [M, nb] fp32 and sum [M, nb] int32,
      * then one fp32 row of scratch; every part starts 64-byte aligned. */
-    const size_t q_bytes = (size_t)((M * kp * (act / 8) + 63) / 64 * 64);
+    const size_t q_bytes = (size_t)((M * kp * q_width + 63) / 64 * 64);
     const size_t part = (size_t)((M * nb * 4 + 63) / 64 * 64);
     const size_t row = (size_t)((kp * 4 + 63) / 64 * 64);
     uint8_t *buf = aligned_alloc(64, q_bytes + 3 * part + row);
@@ -602,10 +783,12 @@ int quant_matmul_int(const void *x, int x_bf16, const uint8_t *w, int fmt, int g
     float *xf = (float *)(buf + q_bytes + 3 * part);
     for (int64_t i = 0; i < M; i++) {
         row_to_f32(x, x_bf16, i, K, kp, xf);
-        quantize_row(xf, nb, act, buf + i * kp * (act / 8), d + i * nb, s + i * nb, sum + i * nb);
+        quantize_row(xf, nb, act, wide, buf + i * kp * q_width, d + i * nb, s + i * nb,
+                     sum + i * nb);
     }
     const int_ctx ctx = {buf, d, s, sum, w, fmt, act, group, N, kp, row_bytes, nb};
-    run_tiles(int_tile, &ctx, 4, bias, y, y_bf16, M, N, num_threads);
+    if (group == TILE_ROWS) run_tiles(tiled_tile, &ctx, TILE_ROWS, bias, y, y_bf16, M, N, num_threads);
+    else run_tiles(int_tile, &ctx, 4, bias, y, y_bf16, M, N, num_threads);
     free(buf);
     return 0;
 }

@@ -28,7 +28,7 @@ import os
 import torch
 
 from . import cpu_build
-from .quant_reference import ACTIVATION_INTS, QuantizedWeight
+from .quant_reference import ACTIVATION_INTS, ROW_GROUP, TILE_ROWS, QuantizedWeight
 
 ACTIVATIONS = ("q16", "q8", "fp32")
 # The integer formats' widths, as quant_matmul_int takes them.
@@ -88,6 +88,10 @@ def run_quant_matmul(lib, x: torch.Tensor, qweight: QuantizedWeight, bias: torch
             qweight.row_group, None if bias is None else bias.data_ptr(), out.data_ptr(),
             out_dtype == torch.bfloat16, x.shape[0], qweight.shape[0], qweight.shape[1])
     if act == "fp32":
+        if qweight.row_group == TILE_ROWS:
+            raise ValueError(f"quant_matmul: row_group {TILE_ROWS} (the tiled order) is read by the "
+                             "integer-activation kernel only; fp32 activations need row_group 1 "
+                             f"or {ROW_GROUP} (set SPECSERVE_QUANT_ACT=fp32 before a model loads)")
         status = lib.quant_matmul(*args, torch.get_num_threads())
     else:
         status = lib.quant_matmul_int(*args, _ACT_BITS[act], torch.get_num_threads())

@@ -27,6 +27,8 @@ import torch.nn.functional as F
 
 BLOCK = 32  # weights per block, every format
 ROW_GROUP = 4  # cpu_quant.c's ROW_GROUP: rows per group in the grouped order
+TILE_ROWS = 16  # cpu_quant.c's TILE_ROWS: rows per group in the tiled order
+ROW_ORDERS = (1, ROW_GROUP, TILE_ROWS)
 
 
 @dataclass(frozen=True)
@@ -48,7 +50,10 @@ class QuantizedWeight:
     row_group 1: row n's blocks are blocks[n] (GGUF's order). ROW_GROUP: each group of
     ROW_GROUP consecutive rows (the last may hold fewer) is stored block by block, the group's
     rows' block 0, then their block 1, ...: the same bytes, in the order the CPU kernel reads
-    them as one stream."""
+    them as one stream. TILE_ROWS (N a multiple of it; the integer-activation kernel only):
+    groups of TILE_ROWS rows block by block, and each block of a group interleaved by 16-bit
+    words, the rows' first words, then their second, ... (word t of row r at t * TILE_ROWS + r),
+    so that one load holds the same two weights of every row of the group (cpu_quant.c)."""
 
     fmt: QuantFormat
     blocks: torch.Tensor
@@ -61,8 +66,10 @@ class QuantizedWeight:
         if self.blocks.dtype != torch.uint8 or tuple(self.blocks.shape) != want:
             raise ValueError(f"{self.fmt.name} blocks of a {n}x{k} weight must be uint8 {want}, "
                              f"got {self.blocks.dtype} {tuple(self.blocks.shape)}")
-        if self.row_group not in (1, ROW_GROUP):
-            raise ValueError(f"row_group must be 1 or {ROW_GROUP}, got {self.row_group}")
+        if self.row_group not in ROW_ORDERS:
+            raise ValueError(f"row_group must be one of {ROW_ORDERS}, got {self.row_group}")
+        if self.row_group == TILE_ROWS:
+            _check_tileable(n)
 
     def to(self, device: str | torch.device) -> QuantizedWeight:
         return QuantizedWeight(self.fmt, self.blocks.to(device), self.shape, self.row_group)
@@ -74,6 +81,10 @@ class QuantizedWeight:
             return self.blocks.view(n, -1, self.fmt.block_bytes)
         g, bb = self.row_group, self.fmt.block_bytes
         nb = self.blocks.shape[1] // bb
+        if g == TILE_ROWS:  # [groups, nb, words, rows] of int16 -> [groups, rows, nb, words]
+            words = self.blocks.view(torch.int16).view(n // g, nb, bb // 2, g)
+            return words.permute(0, 3, 1, 2).reshape(n, nb, bb // 2).view(torch.uint8) \
+                .view(n, nb, bb)
         full, flat = n // g * g, self.blocks.view(-1)
         grouped = flat[:full * nb * bb].view(full // g, nb, g, bb)  # [groups, nb, g, bytes]
         tail = flat[full * nb * bb:].view(nb, n - full, bb)  # the last group's [nb, rows, bytes]
@@ -84,7 +95,12 @@ class QuantizedWeight:
         if row_group == self.row_group:
             return self
         rows = self.block_rows()  # [N, nb, bytes]
-        if row_group != 1:
+        if row_group == TILE_ROWS:
+            _check_tileable(self.shape[0])
+            n, nb, bb = rows.shape
+            words = rows.contiguous().view(torch.int16).view(n // row_group, row_group, nb, bb // 2)
+            rows = words.permute(0, 2, 3, 1).contiguous().view(torch.uint8)  # [groups, nb, words, rows]
+        elif row_group != 1:
             n = self.shape[0]
             full = n // row_group * row_group
             grouped = rows[:full].view(full // row_group, row_group, *rows.shape[1:])
@@ -96,6 +112,11 @@ class QuantizedWeight:
     @property
     def nbytes(self) -> int:
         return self.blocks.numel()
+
+
+def _check_tileable(n: int) -> None:
+    if n % TILE_ROWS:
+        raise ValueError(f"row_group {TILE_ROWS} needs a multiple of {TILE_ROWS} rows, got {n}")
 
 
 def quant_format(name: str) -> QuantFormat:

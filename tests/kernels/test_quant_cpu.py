@@ -16,6 +16,7 @@ from specserve.kernels.quant_reference import (
     BLOCK,
     FORMATS,
     ROW_GROUP,
+    TILE_ROWS,
     QuantizedWeight,
     block_integers,
     dequantize,
@@ -107,6 +108,21 @@ def test_int_kernel_gives_its_models_bits(isa: str, fmt: str, m: int, n: int, k:
 
 @pytest.mark.parametrize("act", INT_ACTS)
 @pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("n,k", [(16, 32), (48, 100), (64, 1000), (160, 4096)])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 12, 16])
+def test_tiled_order_gives_the_same_bits(isa: str, fmt: str, m: int, n: int, k: int, act: str):
+    """The tiled order's kernel (eight rows per int32 lane vector, no horizontal sums) computes
+    the same integers and fp32 operations: its model's bits at every row count, both of its
+    few-row (both halves of a group at once) and many-row chunk shapes."""
+    qw = quantize(_randn(n, k, seed=n + k), fmt)
+    x = _randn(m, k, seed=m).to(torch.bfloat16)
+    got = quant_cpu.quant_matmul(x, qw.with_row_group(TILE_ROWS), isa=isa, out_dtype=torch.float32,
+                                 act=act)
+    assert torch.equal(got, quant_linear_int_reference(x.float(), qw, act=act))
+
+
+@pytest.mark.parametrize("act", INT_ACTS)
+@pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("n,k", [(33, 1000), (130, 4096)])
 def test_int_kernel_within_the_activation_rounding_of_the_reference(isa: str, fmt: str, n: int,
                                                                     k: int, act: str):
@@ -156,16 +172,19 @@ def test_int_kernel_rounds_ties_to_even(isa: str, fmt: str, act: str):
     assert not torch.equal(got, quant_linear_int_reference(x + 0.25, qw, act=act))  # ties matter
 
 
-@pytest.mark.parametrize("row_group", [1, ROW_GROUP])
+@pytest.mark.parametrize("row_group", [1, ROW_GROUP, TILE_ROWS])
 @pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_rows_are_bit_identical_alone_or_together(isa: str, fmt: str, act: str, row_group: int):
     """A row's output must not depend on how many rows share the call (greedy speculation
     equals plain decoding only then)."""
-    qw = quantize(_randn(67, 1000, seed=3), fmt).with_row_group(row_group)
+    if row_group == TILE_ROWS and act == "fp32":
+        pytest.skip("the tiled order runs with integer activations only (tested below)")
+    n = 80 if row_group == TILE_ROWS else 67  # the tiled order needs whole groups
+    qw = quantize(_randn(n, 1000, seed=3), fmt).with_row_group(row_group)
     x = _randn(16, 1000, seed=4).to(torch.bfloat16)
     together = quant_cpu.quant_matmul(x, qw, isa=isa, out_dtype=torch.float32,
-                                      act=act)  # [16, 67]
+                                      act=act)  # [16, n]
     for rows in range(1, 17):
         for start in range(0, 16 - rows + 1, 5):
             part = quant_cpu.quant_matmul(x[start:start + rows], qw, isa=isa,
@@ -210,6 +229,37 @@ def test_grouped_rows_hold_the_same_blocks(fmt: str, n: int):
         assert torch.equal(flat[at:at + bb], qw.blocks[row, bb:2 * bb]), row
     with pytest.raises(ValueError, match="row_group"):
         QuantizedWeight(qw.fmt, qw.blocks, qw.shape, row_group=3)
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_tiled_rows_hold_the_same_blocks(fmt: str):
+    """Tiled order: groups of TILE_ROWS rows block by block, each block interleaved by 16-bit
+    words (word t of the group's row r at word t * TILE_ROWS + r)."""
+    n, bb = 2 * TILE_ROWS, FORMATS[fmt].block_bytes
+    qw = quantize(_randn(n, 70, seed=n), fmt)  # 3 blocks a row
+    tiled = qw.with_row_group(TILE_ROWS)
+    assert tiled.row_group == TILE_ROWS and tiled.blocks.shape == qw.blocks.shape
+    assert torch.equal(tiled.block_rows(), qw.block_rows())
+    assert torch.equal(tiled.with_row_group(1).blocks, qw.blocks)
+    assert torch.equal(tiled.with_row_group(ROW_GROUP).blocks, qw.with_row_group(ROW_GROUP).blocks)
+    assert torch.equal(dequantize(tiled), dequantize(qw))
+    words, group_bytes = tiled.blocks.view(-1).view(torch.int16), TILE_ROWS * qw.blocks.shape[1]
+    for row, blk, t in [(0, 0, 0), (5, 2, 1), (TILE_ROWS + 3, 1, bb // 2 - 1)]:
+        group, r = divmod(row, TILE_ROWS)
+        at = (group * group_bytes + blk * TILE_ROWS * bb) // 2 + t * TILE_ROWS + r
+        want = qw.blocks[row, blk * bb + 2 * t:blk * bb + 2 * t + 2].view(torch.int16)
+        assert words[at] == want[0], (row, blk, t)
+
+
+def test_tiled_order_refuses_what_it_cannot_hold(isa: str):
+    qw = quantize(_randn(TILE_ROWS + 4, 64, seed=1), "Q4_1")
+    with pytest.raises(ValueError, match="multiple of"):
+        qw.with_row_group(TILE_ROWS)
+    with pytest.raises(ValueError, match="multiple of"):
+        QuantizedWeight(qw.fmt, qw.blocks, qw.shape, row_group=TILE_ROWS)
+    tiled = quantize(_randn(TILE_ROWS, 64, seed=1), "Q4_1").with_row_group(TILE_ROWS)
+    with pytest.raises(ValueError, match="integer-activation kernel only"):
+        quant_cpu.quant_matmul(_randn(2, 64, seed=2), tiled, isa=isa, act="fp32")
 
 
 def test_quant_linear_paths_agree():

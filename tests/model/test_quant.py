@@ -51,14 +51,26 @@ def test_bf16_model_quantizes_too(tmp_path):
     assert 0 < float(diff.mean()) < mean_tol and float(diff.max()) < max_tol, diff
 
 
-def test_cpu_blocks_are_kept_with_rows_grouped(tiny_target):
-    """On the CPU, the C kernel's grouped row order; moved off it, GGUF's own again (the Triton
-    kernel's), with the same weight either way."""
-    from specserve.kernels.quant_reference import ROW_GROUP, dequantize
+def _cpu_order(linear) -> int:
+    """The row order the CPU kernel takes for this layer (the default integer activations):
+    tiled when its rows fill whole tiles, else grouped."""
+    from specserve.kernels.quant_reference import ROW_GROUP, TILE_ROWS
 
+    return TILE_ROWS if linear.qweight.shape[0] % TILE_ROWS == 0 else ROW_GROUP
+
+
+def test_cpu_blocks_are_kept_in_the_cpu_kernels_row_order(tiny_target, monkeypatch):
+    """On the CPU, the C kernel's tiled or grouped row order; moved off it, GGUF's own again
+    (the Triton kernel's), with the same weight either way."""
+    from specserve.kernels.quant_reference import ROW_GROUP, TILE_ROWS, dequantize
+
+    monkeypatch.delenv("SPECSERVE_QUANT_ACT", raising=False)
     model = load_model(tiny_target, dtype="float32", quantization="int8")
-    linear = next(m for m in model.modules() if isinstance(m, QuantizedLinear))
-    assert linear.qweight.row_group == ROW_GROUP and linear.qweight.blocks is linear.blocks
+    linears = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    assert {m.qweight.row_group for m in linears} == {_cpu_order(m) for m in linears}
+    assert TILE_ROWS in {m.qweight.row_group for m in linears}  # the tiny model has whole tiles
+    linear = linears[0]
+    assert linear.qweight.row_group == _cpu_order(linear) and linear.qweight.blocks is linear.blocks
     weight = dequantize(linear.qweight)
     linear.to("meta")  # any other device
     assert linear.qweight.row_group == 1 and linear.blocks.device.type == "meta"
@@ -69,8 +81,12 @@ def test_cpu_blocks_are_kept_with_rows_grouped(tiny_target):
     linear.blocks = moved.blocks  # as if it came back from a GPU in GGUF's order
     linear.qweight = moved
     linear.to("cpu")
-    assert linear.qweight.row_group == ROW_GROUP
+    assert linear.qweight.row_group == _cpu_order(linear)
     assert torch.equal(dequantize(linear.qweight), weight)
+    monkeypatch.setenv("SPECSERVE_QUANT_ACT", "fp32")  # the tiled order is the integer kernel's
+    model = load_model(tiny_target, dtype="float32", quantization="int8")
+    assert {m.qweight.row_group for m in model.modules() if isinstance(m, QuantizedLinear)} \
+        == {ROW_GROUP}
 
 
 def test_decode_rows_take_the_cpu_kernel(tiny_target, monkeypatch):
