@@ -97,7 +97,7 @@ class DecodeEngine(AsyncEngine):
                  transport: KVTransport | None = None) -> None:
         super().__init__(core)
         self.prefill_client = prefill
-        self.transport = transport or TcpKVClient()
+        self.transport = transport if transport is not None else TcpKVClient()
         self._pending: dict[str, asyncio.Task] = {}  # request id -> its remote prefill
 
     async def shutdown(self) -> None:
@@ -126,17 +126,23 @@ class DecodeEngine(AsyncEngine):
 
     async def _prefill_remote(self, req: Request, speculation) -> None:
         rid = req.request_id
+        loop = asyncio.get_running_loop()
+        params = None
         try:
             first_token, params = await self.prefill_client.prefill(
                 req.prompt_token_ids, req.params, speculation)
             start = time.perf_counter()
-            payload = await asyncio.get_running_loop().run_in_executor(
-                None, self.transport.pull, params)
+            payload = await loop.run_in_executor(None, self.transport.pull, params)
             req.kv_transfer_ms = (time.perf_counter() - start) * 1e3
             if payload.meta.first_token != first_token:
                 raise TransferError(f"the transfer's first token {payload.meta.first_token} "
                                     f"is not the prefill answer's {first_token}")
         except asyncio.CancelledError:
+            # Aborted while prefilling (closing the HTTP request tells the prefill server) or
+            # while pulling: the prefill server frees the blocks now, not when their time to
+            # live runs out (a pull still running in its thread then finds nothing to read).
+            if params is not None:
+                loop.run_in_executor(None, self.transport.release, params)
             req.finish("abort")
             self._deliver([RequestDelta(rid, [], "", finish_reason="abort",
                                         metrics=req.metrics(), time=time.monotonic())])

@@ -56,12 +56,13 @@ class PrefillEngine(AsyncEngine):
     """An `AsyncEngine` that also prefills for decode servers (see the module docstring)."""
 
     def __init__(self, core: EngineCore, kv_host: str = "127.0.0.1", kv_port: int = 0,
-                 advertise_host: str | None = None, ttl_s: float = 60.0) -> None:
+                 advertise_host: str | None = None, ttl_s: float = 60.0,
+                 kv_token: str | None = None) -> None:
         super().__init__(core)
         self.engine_id = f"prefill-{secrets.token_hex(6)}"
         self.handoff = PrefillHandoff(core, self.call_on_engine, ttl_s)
         self.kv_server = TcpKVServer(self.handoff, self.engine_id, kv_host, kv_port,
-                                     advertise_host=advertise_host)
+                                     advertise_host=advertise_host, token=kv_token)
         self._expiry: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -89,9 +90,17 @@ class PrefillEngine(AsyncEngine):
                                      f"pf-{secrets.token_hex(8)}", speculation)
         req.kv_hold = True
         error = "the prefill ended without a first token"
-        async for delta in self.submit(req):
-            if delta.error:
-                error = delta.error
+        stream = self.submit(req)
+        try:
+            async for delta in stream:
+                if delta.error:
+                    error = delta.error
+        except asyncio.CancelledError:  # the decode server went away: free the blocks now
+            stream.abort()
+            # After the abort, on the engine thread: by then a step that finished the request
+            # has held its blocks, and the release finds them.
+            self.call_on_engine(self._release(req.request_id))
+            raise
         held = self.handoff.held(req.request_id)
         if held is None:
             raise PrefillError(error)
@@ -102,6 +111,13 @@ class PrefillEngine(AsyncEngine):
                                       remote_request_id=req.request_id)
         return {"request_id": req.request_id, "first_token": held.meta.first_token,
                 "kv_transfer_params": msgspec.to_builtins(params_out)}
+
+
+    def _release(self, request_id: str):
+        def release(core: EngineCore) -> list:
+            self.handoff.release(request_id)
+            return []
+        return release
 
 
 def _error(message: str, status: int, code: str) -> Response:
@@ -115,12 +131,42 @@ async def prefill_route(request: HttpRequest) -> Response:
                       "prefill)", 404, "not_found")
     try:
         body = msgspec.json.decode(await request.body(), type=PrefillRequestBody)
-        answer = await engine.prefill(body.prompt_token_ids, body.sampling, body.speculation)
+        answer = await _unless_disconnected(
+            request, engine.prefill(body.prompt_token_ids, body.sampling, body.speculation))
+    except ClientGone:
+        return Response(status_code=499)  # nobody reads it; the prefill was cancelled
     except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError) as exc:
         return _error(f"bad prefill request: {exc}", 400, "invalid_request")
     except (EngineStoppedError, PrefillError) as exc:
         return _error(f"prefill failed: {exc}", 503, "prefill_failed")
     return Response(orjson.dumps(answer), media_type="application/json")
+
+
+class ClientGone(Exception):
+    """The decode server closed the prefill request before its answer."""
+
+
+async def _unless_disconnected(request: HttpRequest, work):
+    """Await `work`, cancelling it if the client disconnects first (ClientGone): a decode
+    server whose own client aborted closes its request, and the prompt's blocks go back at
+    once. (The body is read already, so the next ASGI message is the disconnect.)"""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        abandoned = not task.done()  # the client went away (or the server is stopping)
+        if abandoned:
+            task.cancel()
+    if abandoned:
+        raise ClientGone
+    return task.result()
+
+
+async def _disconnect(request: HttpRequest) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 ROUTES = [Route(PREFILL_PATH, prefill_route, methods=["POST"])]

@@ -12,6 +12,8 @@ answer's `kv_transfer_params`), so an existing proxy can pass it from one side t
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import math
 import struct
 
@@ -70,6 +72,17 @@ class TransferMeta(msgspec.Struct, kw_only=True):
 class PullRequest(msgspec.Struct, tag="pull"):
     engine_id: str
     request_id: str
+    auth: str = ""  # pull_auth(token, ...) when the servers share a --kv-token
+
+
+class ReleaseRequest(msgspec.Struct, tag="release"):
+    """The decode side gave up on a transfer (its client went away): free its blocks now
+    instead of at the end of their time to live. The server frees them, then closes the
+    connection without an answer (an `ErrorReply` if it refuses)."""
+
+    engine_id: str
+    request_id: str
+    auth: str = ""
 
 
 class KVReply(msgspec.Struct, tag="kv"):
@@ -81,7 +94,22 @@ class ErrorReply(msgspec.Struct, tag="error"):
     message: str
 
 
-Message = PullRequest | KVReply | ErrorReply
+Message = PullRequest | ReleaseRequest | KVReply | ErrorReply
+
+
+def pull_auth(token: str | None, engine_id: str, request_id: str) -> str:
+    """Proof that the sender holds the shared KV token, bound to one transfer: an HMAC of the
+    transfer's ids, so the token itself never crosses the wire and a captured proof opens
+    nothing else (a transfer is single use)."""
+    if not token:
+        return ""
+    message = f"{engine_id}/{request_id}".encode()
+    return hmac.new(token.encode(), message, hashlib.sha256).hexdigest()
+
+
+def auth_ok(token: str | None, engine_id: str, request_id: str, auth: str) -> bool:
+    """Whether a request carries the proof `token` asks for (any request, without a token)."""
+    return not token or hmac.compare_digest(pull_auth(token, engine_id, request_id), auth)
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 

@@ -5,11 +5,15 @@
   prompts it prefilled on a TCP port (`--kv-port`, default: any free one; the answer names it).
 - decode: a full server whose new requests are prefilled on `--prefill-url URL` (repeatable);
   clients talk to it as to any server.
+
+`--kv-token SECRET` (or $SPECSERVE_KV_TOKEN) on both: the prefill server's KV port refuses
+pulls and releases that do not prove the shared secret (`protocol.pull_auth`).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import sys
 from typing import TYPE_CHECKING
@@ -19,6 +23,7 @@ if TYPE_CHECKING:  # the CLI imports this module for its flags: --help stays ins
     from ..engine.core import EngineCore
 
 ROLES = ("both", "prefill", "decode")
+KV_TOKEN_ENV = "SPECSERVE_KV_TOKEN"
 
 
 def add_role_options(p: argparse.ArgumentParser) -> None:
@@ -34,6 +39,10 @@ def add_role_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-timeout", type=float, default=120.0, metavar="S",
                    help="with --role decode: seconds a prefill may take before the request "
                    "fails (default: 120)")
+    p.add_argument("--kv-token", default=os.environ.get(KV_TOKEN_ENV), metavar="SECRET",
+                   help="with --role prefill/decode: a secret both sides share; the prefill "
+                   "server refuses KV pulls that do not prove it (default: $"
+                   f"{KV_TOKEN_ENV}, which keeps it off the command line; none: no check)")
 
 
 def check_role_options(args: argparse.Namespace) -> None:
@@ -52,17 +61,21 @@ def role_engine(core: EngineCore, args: argparse.Namespace) -> AsyncEngine:
     if args.role == "prefill":
         from .prefill import PrefillEngine
 
-        engine = PrefillEngine(core, args.host, args.kv_port, advertised_host(args.host))
+        engine = PrefillEngine(core, args.host, args.kv_port, advertised_host(args.host),
+                               kv_token=args.kv_token)
         print(f"specserve: prefill role; decode servers pull KV from "
-              f"{engine.kv_server.host}:{engine.kv_server.port}", file=sys.stderr, flush=True)
+              f"{engine.kv_server.host}:{engine.kv_server.port}"
+              f"{' (KV token required)' if args.kv_token else ''}", file=sys.stderr, flush=True)
         return engine
     if args.role == "decode":
         from .decode import DecodeEngine, PrefillClient
+        from .transport import TcpKVClient
 
         print(f"specserve: decode role; prompts prefilled on {', '.join(args.prefill_url)}",
               file=sys.stderr, flush=True)
         return DecodeEngine(core, PrefillClient(args.prefill_url, args.api_key,
-                                                args.prefill_timeout))
+                                                args.prefill_timeout),
+                            TcpKVClient(token=args.kv_token))
     from ..engine import AsyncEngine
 
     return AsyncEngine(core)

@@ -4,11 +4,16 @@ One small interface, two sides:
 - the prefill side offers held transfers through a `KVSource` (`export` a transfer's tensors,
   then `release` its blocks, once, whether or not the send got through);
 - the decode side calls `KVTransport.pull(params)` with the prefill answer's
-  `KVTransferParams` and gets a `KVPayload` (the meta and host tensors), or an error.
+  `KVTransferParams` and gets a `KVPayload` (the meta and host tensors), or an error; or
+  `KVTransport.release(params)` when its client went away first.
 
 `TcpKVServer` / `TcpKVClient` are the CPU backend: one TCP connection per transfer, one
 `PullRequest` frame up, one `KVReply` frame (header + raw tensor bytes) down
-(`protocol.py`). It works on one host and between hosts.
+(`protocol.py`), or a `ReleaseRequest` up when the decode side gives a transfer up. It works
+on one host and between hosts. With a shared secret (`--kv-token`) each request carries an
+HMAC of its transfer's ids under it, and a server started with the secret refuses any request
+without the right one (an `ErrorReply` naming the token); without it, keep the port on a
+private network.
 
 A GPU backend (NIXL or NCCL) is designed for, not built: the prefill side registers its KV
 pool's memory once and publishes the descriptors beside its engine id; `KVTransferParams`'
@@ -34,9 +39,12 @@ from .protocol import (
     KVTransferParams,
     ProtocolError,
     PullRequest,
+    ReleaseRequest,
     TransferMeta,
+    auth_ok,
     empty_tensor,
     encode_header,
+    pull_auth,
     read_message,
     tensor_bytes,
     tensor_spec,
@@ -72,6 +80,10 @@ class KVSource(Protocol):
 class KVTransport(Protocol):
     def pull(self, params: KVTransferParams) -> KVPayload:
         """Fetch the transfer `params` names; TransferError on any failure."""
+
+    def release(self, params: KVTransferParams) -> None:
+        """Have the prefill side free a transfer this side will not pull (its client went
+        away). Best effort: never raises (the time to live frees it otherwise)."""
 
 
 def _read_exact(sock: socket.socket):
@@ -118,10 +130,11 @@ class TcpKVServer:
 
     def __init__(self, source: KVSource, engine_id: str, host: str = "127.0.0.1",
                  port: int = 0, timeout_s: float = 30.0,
-                 advertise_host: str | None = None) -> None:
+                 advertise_host: str | None = None, token: str | None = None) -> None:
         self.source = source
         self.engine_id = engine_id
         self.timeout_s = timeout_s
+        self.token = token  # the shared --kv-token: every pull and release must prove it
         self._listener = socket.create_server((host, port))
         # Where decode servers connect (the bound address may be a wildcard).
         self.host, self.port = advertise_host or host, self._listener.getsockname()[1]
@@ -154,14 +167,18 @@ class TcpKVServer:
             try:
                 conn.settimeout(self.timeout_s)
                 message = read_message(_read_exact(conn))
-                if not isinstance(message, PullRequest):
-                    raise ProtocolError(f"expected a pull, got {type(message).__name__}")
-                if message.engine_id != self.engine_id:
-                    conn.sendall(encode_header(ErrorReply(
-                        f"engine id {message.engine_id!r} is not this server's "
-                        f"({self.engine_id!r})")))
+                if not isinstance(message, PullRequest | ReleaseRequest):
+                    raise ProtocolError(f"expected a pull or a release, got "
+                                        f"{type(message).__name__}")
+                refusal = self._refusal(message)
+                if refusal is not None:
+                    log.warning("%s of %s refused: %s", type(message).__name__,
+                                message.request_id, refusal)
+                    conn.sendall(encode_header(ErrorReply(refusal)))
                     return
-                request_id = message.request_id
+                request_id = message.request_id  # released below, whatever happens next
+                if isinstance(message, ReleaseRequest):
+                    return
                 try:
                     payload = self.source.export(request_id)
                 except KeyError:
@@ -180,20 +197,44 @@ class TcpKVServer:
                 if request_id is not None:
                     self.source.release(request_id)
 
+    def _refusal(self, message: PullRequest | ReleaseRequest) -> str | None:
+        """Why a request is refused, or None. A refused request releases nothing: only the
+        holder of the token may free a transfer."""
+        if message.engine_id != self.engine_id:
+            return (f"engine id {message.engine_id!r} is not this server's "
+                    f"({self.engine_id!r})")
+        if not auth_ok(self.token, message.engine_id, message.request_id, message.auth):
+            return ("wrong or missing KV token: this prefill server requires the --kv-token "
+                    "it was started with, and the decode server's does not match")
+        return None
+
 
 class TcpKVClient:
-    """The decode side's pull over TCP."""
+    """The decode side's pull (and release) over TCP; `token` is the shared --kv-token."""
 
-    def __init__(self, timeout_s: float = 30.0) -> None:
+    def __init__(self, timeout_s: float = 30.0, token: str | None = None) -> None:
         self.timeout_s = timeout_s
+        self.token = token
+
+    def _request(self, kind, params: KVTransferParams) -> bytes:
+        rid, engine = params.remote_request_id, params.remote_engine_id
+        return encode_header(kind(engine, rid, pull_auth(self.token, engine, rid)))
+
+    def release(self, params: KVTransferParams) -> None:
+        try:
+            with socket.create_connection((params.remote_host, params.remote_port),
+                                          timeout=self.timeout_s) as sock:
+                sock.sendall(self._request(ReleaseRequest, params))
+                sock.recv(1 << 12)  # the server's close (or its refusal): the release is done
+        except OSError as exc:
+            log.warning("release of KV transfer %s failed: %s", params.remote_request_id, exc)
 
     def pull(self, params: KVTransferParams) -> KVPayload:
         where = f"{params.remote_host}:{params.remote_port}"
         try:
             with socket.create_connection((params.remote_host, params.remote_port),
                                           timeout=self.timeout_s) as sock:
-                sock.sendall(encode_header(PullRequest(params.remote_engine_id,
-                                                       params.remote_request_id)))
+                sock.sendall(self._request(PullRequest, params))
                 return receive_payload(sock)
         except TimeoutError as exc:
             raise TransferError(f"KV transfer from {where} timed out after "

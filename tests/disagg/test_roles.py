@@ -1,5 +1,6 @@
 """The roles' faults without a second process: bad flag combinations, a decode server whose
-prefill server is down or whose client gives up, and held blocks nobody comes for."""
+prefill server is down or whose client gives up, held blocks nobody comes for, and a decode
+server whose KV token does not match the prefill server's."""
 
 from __future__ import annotations
 
@@ -143,4 +144,36 @@ def test_prefill_route_answers_kv_transfer_params_and_refuses_bad_input(llm):
         while llm.engine.block_manager.num_free_blocks < llm.engine.block_manager.num_blocks:
             assert time.monotonic() < deadline, "pulled blocks were not freed"
             time.sleep(0.05)
+    llm.engine.block_manager.check_no_leak()
+
+
+def test_a_decode_server_with_the_wrong_kv_token_is_refused_clearly(tiny_target, llm):
+    from specserve.disagg.prefill import ROUTES, PrefillEngine
+    from specserve.disagg.transport import TcpKVClient
+    from specserve.server import create_app
+    from tests.server.server_helpers import ServerThread
+
+    prefill = PrefillEngine(LLM(tiny_target, num_blocks=32, block_size=8).engine,
+                            kv_token="s3cret")
+    server = ServerThread(create_app(prefill, extra_routes=ROUTES, allowed_hosts=None),
+                          prefill).start()
+
+    async def run(token):
+        engine = DecodeEngine(llm.engine, PrefillClient([server.http], timeout_s=30),
+                              TcpKVClient(token=token))
+        await engine.start()
+        try:
+            return [d async for d in engine.add_request([5, 6, 7] * 4, GREEDY)]
+        finally:
+            await engine.shutdown()
+
+    try:
+        wrong = asyncio.run(asyncio.wait_for(run("guess"), 60))
+        assert [d.finish_reason for d in wrong] == ["error"]
+        assert "refused the transfer: wrong or missing KV token" in wrong[0].error
+        right = asyncio.run(asyncio.wait_for(run("s3cret"), 60))
+        assert right[-1].finish_reason == "length"
+        assert sum(len(d.token_ids) for d in right) == GREEDY.max_tokens
+    finally:
+        server.stop()
     llm.engine.block_manager.check_no_leak()

@@ -1,5 +1,6 @@
-"""The TCP KV transport: blocks arrive bit-identical, each transfer is single use, and a refused,
-dropped or silent connection is an error, never a hang."""
+"""The TCP KV transport: blocks arrive bit-identical, each transfer is single use, a refused,
+dropped or silent connection is an error, never a hang, a release frees a transfer nobody will
+pull, and a server with a KV token refuses every request that does not prove it."""
 
 from __future__ import annotations
 
@@ -54,9 +55,9 @@ def params(server: TcpKVServer, request_id: str, engine_id: str | None = None):
 
 @pytest.fixture
 def served():
-    def make(payloads):
+    def make(payloads, token=None):
         source = FakeSource(payloads)
-        server = TcpKVServer(source, "engine-a")
+        server = TcpKVServer(source, "engine-a", token=token)
         server.start()
         servers.append(server)
         return source, server
@@ -100,6 +101,36 @@ def test_wrong_engine_id_is_refused_and_keeps_the_blocks(served):
     with pytest.raises(TransferError, match="engine id 'other' is not this server's"):
         TcpKVClient().pull(params(server, "r1", engine_id="other"))
     assert source.released == []  # the right decode server can still take them
+
+
+def test_a_release_frees_the_transfer_at_once(served):
+    source, server = served({"r1": KVPayload(META, {}), "r2": KVPayload(META, {})})
+    TcpKVClient().release(params(server, "r1"))
+    assert source.released == ["r1"]  # done when release returns: the server closed after it
+    with pytest.raises(TransferError, match="no prefilled KV waits under 'r1'"):
+        TcpKVClient().pull(params(server, "r1"))
+    assert "r2" in source.payloads
+
+
+def test_a_kv_token_is_required_once_the_server_has_one(served):
+    source, server = served({"r1": KVPayload(META, {})}, token="s3cret")
+    for client in (TcpKVClient(), TcpKVClient(token="guess")):
+        with pytest.raises(TransferError, match="wrong or missing KV token"):
+            client.pull(params(server, "r1"))
+        client.release(params(server, "r1"))  # refused too: only the token holder frees
+    assert source.released == []
+    got = TcpKVClient(token="s3cret").pull(params(server, "r1"))
+    assert got.meta == META and source.wait_released() == ["r1"]
+
+
+def test_the_proof_is_bound_to_one_transfer_and_hides_the_token():
+    from specserve.disagg.protocol import auth_ok, pull_auth
+
+    proof = pull_auth("s3cret", "engine-a", "r1")
+    assert "s3cret" not in proof and auth_ok("s3cret", "engine-a", "r1", proof)
+    assert not auth_ok("s3cret", "engine-a", "r2", proof)
+    assert not auth_ok("s3cret", "engine-b", "r1", proof)
+    assert auth_ok(None, "engine-a", "r1", "")  # a server without a token checks nothing
 
 
 def test_nobody_listening_is_an_error():

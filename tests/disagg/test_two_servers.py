@@ -50,10 +50,11 @@ def test_prefill_and_decode_servers(tiny_target, tiny_draft, tmp_path):
     models = ["--target", str(tiny_target), "--draft", str(tiny_draft), "--speculation",
               "chain:3"]
     p_port, d_port = free_port(), free_port()
-    prefill = _serve([*models, "--role", "prefill", "--port", str(p_port)],
+    token = ["--kv-token", "s3cret"]  # both sides: every pull proves the shared secret
+    prefill = _serve([*models, *token, "--role", "prefill", "--port", str(p_port)],
                      tmp_path / "prefill.log")
-    decode = _serve([*models, "--role", "decode", "--port", str(d_port), "--prefill-url",
-                     f"http://127.0.0.1:{p_port}"], tmp_path / "decode.log")
+    decode = _serve([*models, *token, "--role", "decode", "--port", str(d_port),
+                     "--prefill-url", f"http://127.0.0.1:{p_port}"], tmp_path / "decode.log")
     try:
         reference = LLM(tiny_target, tiny_draft, speculation="chain:3")
         params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
