@@ -45,6 +45,8 @@ SUBCOMMANDS = {
                                       "revisions, page sizes"),
     "gpu-kernels": Subcommand("kernels", "CUDA paged attention and tree verify against SDPA"),
     "tp": Subcommand("tp", "tensor parallelism: tp=1 against tp=N, and the collectives' cost"),
+    "pp": Subcommand("pp", "pipeline parallelism: pp=1 against pp=N, micro-batches in flight "
+                           "or not, compute and transfer per forward"),
     "disagg": Subcommand("disagg", "prefill/decode split: KV transfer cost per token and "
                                    "block, running chats' gaps while a long prompt arrives"),
     "scale": Subcommand("scale", "Ray Serve replicas: prefix-aware routing against round "
