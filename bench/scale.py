@@ -136,25 +136,84 @@ def routing_summary(records: list[TurnRecord], wall_s: float) -> dict:
 
 
 # ---- overhead -----------------------------------------------------------------------------
-async def overhead(urls: dict[str, str], args: argparse.Namespace) -> dict:
+async def overhead(servers: dict[str, tuple[str, dict[str, int]]],
+                   args: argparse.Namespace) -> dict:
+    """`servers`: name -> (WebSocket URL, the processes that serve it, by role). Besides
+    latency, the CPU time each process spends per request, less what it spends idle (Ray's
+    processes poll and report even then): on a machine with cores to spare the gateway's work
+    overlaps the engine's, so the CPU it costs is the figure that carries over; on 2 busy
+    cores it also shows up as latency."""
     config = BenchConfig(max_tokens=args.max_tokens, ignore_eos=True, speculation="off")
     chat = Chat([{"role": "user", "content": "Which tyre fits my city bicycle?"}])
-    backends = {name: Backend(replace(config, url=url)) for name, url in urls.items()}
-    samples: dict[str, list[TurnRecord]] = {name: [] for name in urls}
+    backends = {name: Backend(replace(config, url=url)) for name, (url, _) in servers.items()}
+    samples: dict[str, list[TurnRecord]] = {name: [] for name in servers}
+    busy = {name: dict.fromkeys(pids, 0.0) for name, (_, pids) in servers.items()}
+    busy_s = dict.fromkeys(servers, 0.0)
     try:
         for backend in backends.values():  # warm-up: first touches, socket open
             for i in range(3):
                 await run_request(backend, TurnRecord(i, 0), chat)
+        idle = await idle_cpu_rates({name: pids for name, (_, pids) in servers.items()})
         for block in range(max(1, args.overhead_requests // BLOCK)):
             for name, backend in backends.items():
+                pids = servers[name][1]
+                before, start = cpu_seconds(pids), time.perf_counter()
                 for i in range(BLOCK):
                     samples[name].append(await run_request(backend, TurnRecord(i, block), chat))
+                busy_s[name] += time.perf_counter() - start
+                for role, spent in cpu_seconds(pids).items():
+                    busy[name][role] += spent - before[role]
     finally:
         for backend in backends.values():
             await backend.close()
-    return {name: {"ttft_ms_p50": statistics.median(r.ttft_s * 1e3 for r in records),
-                   "per_token_ms_p50": statistics.median(r.tpot_s * 1e3 for r in records),
-                   "samples": len(records)} for name, records in samples.items()}
+    out = {}
+    for name, records in samples.items():
+        cpu_ms = {role: max(0.0, spent - idle[name][role] * busy_s[name]) * 1e3 / len(records)
+                  for role, spent in busy[name].items()}
+        out[name] = {"ttft_ms_p50": statistics.median(r.ttft_s * 1e3 for r in records),
+                     "per_token_ms_p50": statistics.median(r.tpot_s * 1e3 for r in records),
+                     "cpu_ms_per_request": sum(cpu_ms.values()),
+                     "cpu_ms_per_request_by_process": cpu_ms,
+                     "output_tokens_per_request": records[0].output_tokens,
+                     "samples": len(records)}
+    return out
+
+
+async def idle_cpu_rates(groups: dict[str, dict[str, int]], seconds: float = 3.0) -> dict:
+    """CPU seconds per second each process spends while no request runs."""
+    before = {name: cpu_seconds(pids) for name, pids in groups.items()}
+    await asyncio.sleep(seconds)
+    return {name: {role: (spent - before[name][role]) / seconds
+                   for role, spent in cpu_seconds(pids).items()}
+            for name, pids in groups.items()}
+
+
+def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """User + system CPU time of each process (all its threads) so far, by role."""
+    out = {}
+    for role, pid in pids.items():
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        out[role] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+    return out
+
+
+def serve_processes() -> dict[str, int]:
+    """The Serve processes of a 1-replica application, by role, found by their command line
+    (Ray names a process after its actor's class)."""
+    titles = {"engine": f"ServeReplica:{APP}:engine", "gateway": f"ServeReplica:{APP}:gateway",
+              "proxy": "ProxyActor"}
+    found: dict[str, list[int]] = {role: [] for role in titles}
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        for role, title in titles.items():
+            if proc.name.isdigit() and title in cmdline:
+                found[role].append(int(proc.name))
+    if any(len(pids) != 1 for pids in found.values()):
+        raise RuntimeError(f"expected one process per Serve role, found {found}")
+    return {role: pids[0] for role, pids in found.items()}
 
 
 # ---- servers ------------------------------------------------------------------------------
@@ -246,9 +305,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         wait_healthy(f"http://127.0.0.1:{single_port}", time.monotonic() + 120)
         deploy(args, gateway, 1, "prefix")
         log("overhead: single-process server against one replica behind the gateway")
-        result["overhead"] = asyncio.run(overhead({"single": f"ws://127.0.0.1:{single_port}",
-                                                   "gateway": f"ws://127.0.0.1:{gateway_port}"},
-                                                  args))
+        result["overhead"] = asyncio.run(overhead(
+            {"single": (f"ws://127.0.0.1:{single_port}", {"server": single.pid}),
+             "gateway": (f"ws://127.0.0.1:{gateway_port}", serve_processes())}, args))
         result["memory_bytes"] = {"single_server": resident_bytes(single.pid)}
         serve.delete(APP)
         single.terminate()
@@ -278,11 +337,18 @@ def report(result: dict) -> str:
              "", "overhead (WebSocket, one request at a time, speculation off):"]
     o = result["overhead"]
     for name in ("single", "gateway"):
-        lines.append(f"  {name:<8} TTFT p50 {o[name]['ttft_ms_p50']:7.2f} ms   per token p50 "
-                     f"{o[name]['per_token_ms_p50']:6.3f} ms   (n={o[name]['samples']})")
+        m = o[name]
+        lines.append(f"  {name:<8} TTFT p50 {m['ttft_ms_p50']:7.2f} ms   per token p50 "
+                     f"{m['per_token_ms_p50']:6.3f} ms   CPU {m['cpu_ms_per_request']:6.1f} ms "
+                     f"per request of {m['output_tokens_per_request']} tokens   "
+                     f"(n={m['samples']})")
     added_ttft = o["gateway"]["ttft_ms_p50"] - o["single"]["ttft_ms_p50"]
     added_token = o["gateway"]["per_token_ms_p50"] - o["single"]["per_token_ms_p50"]
-    lines.append(f"  gateway adds {added_ttft:.2f} ms TTFT p50, {added_token:.3f} ms per token")
+    added_cpu = o["gateway"]["cpu_ms_per_request"] - o["single"]["cpu_ms_per_request"]
+    lines.append(f"  gateway adds {added_ttft:.2f} ms TTFT p50, {added_token:.3f} ms per token, "
+                 f"{added_cpu:.1f} ms CPU per request (by process: " + ", ".join(
+                     f"{role} {ms:.1f}" for role, ms
+                     in o["gateway"]["cpu_ms_per_request_by_process"].items()) + ")")
     lines += ["", "routing, 2 replicas:",
               f"  {'router':<12} {'hit rate':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'tok/s':>7} "
               f"{'requests per replica':>21}"]
