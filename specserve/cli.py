@@ -179,7 +179,8 @@ def run_serve_cluster(args: argparse.Namespace) -> int:
                          model_name=_model_name(args), allowed_hosts=hosts),
         limit_overrides=dict(max_queued_requests=args.max_queued_requests,  # noqa: C408
                              max_request_bytes=args.max_request_bytes),
-        drain_timeout_s=args.drain_timeout)
+        drain_timeout_s=args.drain_timeout, prefill_replicas=args.prefill_replicas,
+        kv_token=args.kv_token)
     return serve_forever(options, args.host, args.port, args.ray_address)
 
 

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
 
 from ray import serve
+from ray.serve.handle import DeploymentHandle
 
 from ..engine import AsyncEngine, EngineLimits, EngineStoppedError, ModelInfo
 from ..outputs import RequestDelta
@@ -45,13 +46,23 @@ class EngineFacts:
 class EngineReplica:
     """The deployment class: `serve.deployment(EngineReplica)` in `app.py`."""
 
-    async def __init__(self, engine_options: dict) -> None:
+    async def __init__(self, engine_options: dict, prefill_pool: DeploymentHandle | None = None,
+                       kv_token: str | None = None) -> None:
         # Imported here: the core pulls in torch and the model code, which the gateway never
         # loads (it only holds a tokenizer).
         from ..engine.core import EngineCore
         from ..llm import build_engine_config
 
-        self.engine = AsyncEngine(EngineCore(build_engine_config(**engine_options)))
+        core = EngineCore(build_engine_config(**engine_options))
+        if prefill_pool is None:
+            self.engine = AsyncEngine(core)
+        else:  # a decode replica: prompts are prefilled on the pool (prefill_pool.py)
+            from ..disagg.decode import DecodeEngine
+            from ..disagg.transport import TcpKVClient
+            from .prefill_pool import PoolPrefillClient
+
+            self.engine = DecodeEngine(core, PoolPrefillClient(prefill_pool),
+                                       TcpKVClient(token=kv_token))
         await self.engine.start()
         self.replica_id = serve.get_replica_context().replica_id.to_full_id_str()
 

@@ -6,8 +6,10 @@
 - decode: a full server whose new requests are prefilled on `--prefill-url URL` (repeatable);
   clients talk to it as to any server.
 
-`--kv-token SECRET` (or $SPECSERVE_KV_TOKEN) on both: the prefill server's KV port refuses
-pulls and releases that do not prove the shared secret (`protocol.pull_auth`).
+With `--replicas N`, `--prefill-replicas M` runs the two roles as pools on Ray Serve
+(specserve.cluster.prefill_pool). `--kv-token SECRET` (or $SPECSERVE_KV_TOKEN) on both: the
+prefill server's KV port refuses pulls and releases that do not prove the shared secret
+(`protocol.pull_auth`).
 """
 
 from __future__ import annotations
@@ -39,6 +41,10 @@ def add_role_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-timeout", type=float, default=120.0, metavar="S",
                    help="with --role decode: seconds a prefill may take before the request "
                    "fails (default: 120)")
+    p.add_argument("--prefill-replicas", type=int, default=0, metavar="M",
+                   help="with --replicas N: M more replicas prefill every prompt and the N "
+                   "decode only, the KV moved between them by blocks (default: 0, each "
+                   "replica does both)")
     p.add_argument("--kv-token", default=os.environ.get(KV_TOKEN_ENV), metavar="SECRET",
                    help="with --role prefill/decode: a secret both sides share; the prefill "
                    "server refuses KV pulls that do not prove it (default: $"
@@ -52,7 +58,10 @@ def check_role_options(args: argparse.Namespace) -> None:
     if args.role == "decode" and not args.prefill_url:
         raise ValueError("--role decode needs --prefill-url URL")
     if args.role != "both" and (args.tp != 1 or getattr(args, "replicas", None) is not None):
-        raise ValueError("--role prefill/decode does not run with --tp or --replicas yet")
+        raise ValueError("--role prefill/decode does not run with --tp or --replicas yet "
+                         "(with --replicas, use --prefill-replicas M)")
+    if args.prefill_replicas and getattr(args, "replicas", None) is None:
+        raise ValueError("--prefill-replicas is for --replicas N")
 
 
 def role_engine(core: EngineCore, args: argparse.Namespace) -> AsyncEngine:

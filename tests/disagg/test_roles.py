@@ -22,6 +22,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     (["--role", "decode"], "--role decode needs --prefill-url URL"),
     (["--prefill-url", "http://127.0.0.1:1"], "--prefill-url is for --role decode"),
     (["--role", "prefill", "--tp", "2"], "does not run with --tp or --replicas yet"),
+    (["--prefill-replicas", "1"], "--prefill-replicas is for --replicas N"),
 ])
 def test_bad_role_flags_fail_before_loading(flags, message, capsys):
     assert main(["serve", "--target", "/nonexistent", *flags]) == 2
