@@ -34,22 +34,29 @@ class Cluster:
         self.ws = f"ws://127.0.0.1:{port}/v1/ws"
 
 
-@pytest.fixture(scope="module")
-def cluster(tiny_target: Path):
+def serve_cluster(tiny_target: Path, **overrides):
+    """Start the module's local Ray cluster and the application (the options below, with
+    `overrides`); yields a `Cluster`; takes the whole local cluster down after."""
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        options = ClusterOptions(
+        options = dict(  # noqa: C408
             engine_options={"target": str(tiny_target), "draft": str(tiny_target),
                             "speculation": SPEC, "num_blocks": NUM_BLOCKS,
                             "max_num_seqs": MAX_NUM_SEQS},
             num_replicas=NUM_REPLICAS, app_options={"model_name": "tiny"},
             limit_overrides={"max_queued_requests": MAX_QUEUED},
             cpus_per_replica=0.5, stats_period_s=0.2, drain_timeout_s=2)
-        serve.run(build_application(options), name="specserve", route_prefix="/")
+        serve.run(build_application(ClusterOptions(**{**options, **overrides})),
+                  name="specserve", route_prefix="/")
         yield Cluster(port)
     finally:
         # The local cluster goes whole (its Serve actors with it): serve.shutdown() would first
         # wait for the replica the fault test killed to finish restarting.
         ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_target: Path):
+    yield from serve_cluster(tiny_target)
