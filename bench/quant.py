@@ -15,13 +15,17 @@ come from its own printed eval timings. Rows run interleaved, each prompt at its
 Within each quantization, the default mode's tokens must equal speculation off's (checked
 before timing); across quantizations they differ, which the quality section measures.
 
-Kernels (`--skip-kernels` to leave out), two tables. Row scaling: one decoder layer's projections of
-the widened shape (qkv 1280x1024, o 1024x1024, gate/up 8192x1024, down 1024x4096), 24 copies so the
-weights come from memory, timed for M = 1..16 activation rows: Q8_0 and Q4_0 on the C kernel of the
+Kernels (`--skip-kernels` to leave out): the CPU's arithmetic ceilings, then two tables. Ceilings
+(specserve/kernels/cpu_ceiling.c): fp32 FMAs and int16 multiply-adds per second on every thread.
+Row scaling: one decoder layer's projections of the widened shape (qkv 1280x1024, o 1024x1024,
+gate/up 8192x1024, down 1024x4096), 24 copies so the weights come from memory, timed for
+`--kernel-rows` activation rows (1, 5, 8, 16, 32): Q8_0, Q4_0 and Q4_1 on the C kernel of the
 selected ISA with Q16, Q8 and fp32 activations (SPECSERVE_QUANT_ACT,
-specserve/kernels/quant_cpu.py), the blocks' rows grouped as a model on the CPU keeps them, and
-Q8_0 / Q16 also row by row (GGUF's order, "by row"), bf16 on `kernels.linear`; ms per pass
-over all 24 layers, and the cost of M rows relative to one row. Shapes: each projection of the
+specserve/kernels/quant_cpu.py), the blocks in the row order a model on the CPU keeps them
+(tiled for integer activations), Q16 also in the grouped order and Q8_0 / Q16 row by row (GGUF's
+order, "by row"), bf16 on `kernels.linear`; ms per pass over all 24 layers, the cost of M rows
+relative to one row, and the multiply-adds per second as a share of the ceiling of the
+instruction the kernel is built on. Shapes: each projection of the
 widened target and of SmolLM2-135M alone, M = 1 and 5, weights cycled from memory: time per
 product, weight bytes read per second and that as a share of torch.sum's read bandwidth (the
 memory bound), for Q8_0 / Q4_0 / Q4_1 with each activation format, fp32 torch and bf16.
@@ -62,7 +66,7 @@ from bench.options import (
     setup,
     write_json,
 )
-from bench.roofline import measure_read_bandwidth
+from bench.roofline import measure_ceilings, measure_read_bandwidth
 from specserve import LLM, SamplingParams
 from specserve.llm import demo_pair
 from specserve.model.loader import load_model, load_tokenizer
@@ -127,23 +131,28 @@ def _quant_fn(act: str):
     return lambda x, w: quant_matmul(x, w, act=act)
 
 
-def measure_kernels(rows: tuple[int, ...] = (1, 2, 4, 8, 16), layers: int = 24,
+def measure_kernels(rows: tuple[int, ...] = (1, 5, 8, 16, 32), layers: int = 24,
                     repeats: int = 5) -> dict[str, dict[int, float]]:
     """ms per pass over `layers` copies of LAYER_SHAPES, per weight kind and row count
     (kinds interleaved, best of `repeats`). Quantized weights in the row order a model on the
-    CPU keeps (grouped), and Q8_0 also in GGUF's row by row order ("by row")."""
+    CPU keeps for the activation format (quant_cpu.cpu_row_order: tiled for integer
+    activations), Q16 also in the grouped order ("grouped"), and Q8_0 / Q16 in GGUF's row by
+    row order ("by row")."""
     from specserve.kernels import linear
+    from specserve.kernels.quant_cpu import cpu_row_order
     from specserve.kernels.quant_reference import ROW_GROUP, quantize
 
     gen = torch.Generator().manual_seed(0)
     dense = [torch.randn(n, k, generator=gen).to(torch.bfloat16)
              for _ in range(layers) for n, k in LAYER_SHAPES]
     weights = {"bf16": (linear, dense)}
-    for fmt in ("Q8_0", "Q4_0"):
+    for fmt in ("Q8_0", "Q4_0", "Q4_1"):
         by_row = [quantize(w, fmt) for w in dense]
-        blocks = [w.with_row_group(ROW_GROUP) for w in by_row]
         for act in ACTS:
-            weights[f"{fmt} {act}"] = (_quant_fn(act), blocks)
+            weights[f"{fmt} {act}"] = (_quant_fn(act), [
+                w.with_row_group(cpu_row_order(w.shape[0], act)) for w in by_row])
+        weights[f"{fmt} q16 grouped"] = (_quant_fn("q16"),
+                                         [w.with_row_group(ROW_GROUP) for w in by_row])
         if fmt == "Q8_0":
             weights["Q8_0 q16 by row"] = (_quant_fn("q16"), by_row)
     out: dict[str, dict[int, float]] = {kind: {} for kind in weights}
@@ -159,14 +168,22 @@ def measure_kernels(rows: tuple[int, ...] = (1, 2, 4, 8, 16), layers: int = 24,
     return out
 
 
-def format_kernels(result: dict[str, dict[int, float]]) -> str:
+def format_kernels(result: dict[str, dict[int, float]], ceilings: dict[str, float],
+                   layers: int = 24) -> str:
+    """Per kind and row count: ms, the cost over one row, and the multiply-adds per second as
+    a share of the ceiling of the instruction the kernel is built on (integer activations:
+    int16 multiply-adds; bf16 and fp32 activations: fp32 FMAs)."""
     rows = list(next(iter(result.values())))
-    lines = ["| weights | " + " | ".join(f"M={m} ms" for m in rows) + " | "
-             + " | ".join(f"M={m} / M=1" for m in rows[1:]) + " |",
-             "|---" * (1 + 2 * len(rows) - 1) + "|"]
+    macs = layers * sum(n * k for n, k in LAYER_SHAPES)  # per activation row
+    lines = ["| weights | " + " | ".join(f"M={m}: ms, / M=1, of ceiling" for m in rows) + " |",
+             "|---" * (1 + len(rows)) + "|"]
     for kind, by_m in result.items():
-        lines.append(f"| {kind} | " + " | ".join(f"{by_m[m]:.1f}" for m in rows) + " | "
-                     + " | ".join(f"{by_m[m] / by_m[1]:.2f}" for m in rows[1:]) + " |")
+        ceiling = ceilings.get("madd16" if " q" in kind else "fma")
+        cells = []
+        for m in rows:
+            share = f"{m * macs / (by_m[m] / 1e3) / ceiling:.0%}" if ceiling else "-"
+            cells.append(f"{by_m[m]:.1f}, {by_m[m] / by_m[rows[0]]:.2f}x, {share}")
+        lines.append(f"| {kind} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -308,6 +325,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench quant") -> 
     parser.add_argument("--skip-speed", action="store_true")
     parser.add_argument("--skip-quality", action="store_true")
     parser.add_argument("--skip-kernels", action="store_true")
+    parser.add_argument("--kernel-rows", default="1,5,8,16,32",
+                        help="comma list of activation rows for the kernel scaling table")
     parser.add_argument("--gguf-q8-0", type=Path, help="llama.cpp q8_0 GGUF of the widened "
                         "target (default: converted with the peer tool when it is built)")
     parser.add_argument("--gguf-q4-0", type=Path, help="llama.cpp q4_0 GGUF of the widened target")
@@ -324,11 +343,18 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench quant") -> 
     if not args.skip_kernels:
         from specserve.kernels import cpu_build
 
+        log("ceilings")
+        ceilings = measure_ceilings(threads=args.threads)
+        report["ceilings"] = ceilings
+        print(f"\nArithmetic ceilings, {args.threads} threads, ISA path "
+              f"{cpu_build.selected_isa()}: "
+              + ", ".join(f"{name} {ops / 1e9:.1f} G multiply-adds/s"
+                          for name, ops in ceilings.items()))
         log("kernel scaling")
-        report["kernels"] = measure_kernels()
-        print(f"\nOne pass over 24 widened layers' projections, ISA path "
+        report["kernels"] = measure_kernels(tuple(int(m) for m in args.kernel_rows.split(",")))
+        print(f"\nOne pass over 24 widened layers' projections (weights from memory), ISA path "
               f"{cpu_build.selected_isa()}, best of 5:\n")
-        print(format_kernels(report["kernels"]))
+        print(format_kernels(report["kernels"], ceilings))
         log("kernel shapes")
         bandwidth = measure_read_bandwidth(256 << 20)
         report["read_bandwidth_gbps"] = bandwidth / 1e9

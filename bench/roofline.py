@@ -51,6 +51,33 @@ def measure_read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
     return size / best
 
 
+def measure_ceilings(isa: str | None = None, threads: int | None = None, repeats: int = 3
+                     ) -> dict[str, float]:
+    """This CPU's arithmetic ceilings on the isa path (default: the selected one), best of
+    `repeats`, on `threads` threads (default: torch's): "fma", fp32 multiply-adds per second at
+    the path's vector width, and "madd16", int16 multiply-adds per second (the Q16 kernels'
+    instruction); specserve/kernels/cpu_ceiling.c. Empty on the torch path."""
+    import ctypes
+
+    from specserve.kernels import cpu_build
+
+    lib = cpu_build.library_for(isa or cpu_build.selected_isa())
+    if lib is None:
+        return {}
+    threads = threads or torch.get_num_threads()
+    out = {}
+    for name, sink in (("fma", ctypes.c_float(0)), ("madd16", ctypes.c_int32(0))):
+        probe = getattr(lib, f"ceiling_{name}")
+        probe(100_000, ctypes.byref(sink), threads)  # wakes the threads and the clocks
+        best = 0.0
+        for _ in range(repeats):
+            start = time.perf_counter()
+            ops = probe(20_000_000, ctypes.byref(sink), threads)
+            best = max(best, ops / (time.perf_counter() - start))
+        out[name] = best
+    return out
+
+
 def _safetensors_header(path: Path) -> dict:
     with path.open("rb") as f:
         (length,) = struct.unpack("<Q", f.read(8))

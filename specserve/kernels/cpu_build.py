@@ -85,6 +85,10 @@ KERNELS: dict[str, dict[str, Signature]] = {
         "quant_matmul_int": ([_p, _i32, _p, _i32, _i32, _p, _p, _i32] + [_i64] * 3
                              + [_i32, _i32], ctypes.c_int),
     },
+    "cpu_ceiling.c": {
+        "ceiling_fma": ([_i64, _p, _i32], _i64),
+        "ceiling_madd16": ([_i64, _p, _i32], _i64),
+    },
 }
 
 # Best first. `required` are /proc/cpuinfo flag names.

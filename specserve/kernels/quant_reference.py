@@ -98,8 +98,9 @@ class QuantizedWeight:
         if row_group == TILE_ROWS:
             _check_tileable(self.shape[0])
             n, nb, bb = rows.shape
-            words = rows.contiguous().view(torch.int16).view(n // row_group, row_group, nb, bb // 2)
-            rows = words.permute(0, 2, 3, 1).contiguous().view(torch.uint8)  # [groups, nb, words, rows]
+            words = rows.contiguous().view(torch.int16).view(n // row_group, row_group, nb,
+                                                             bb // 2)  # [groups, rows, nb, words]
+            rows = words.permute(0, 2, 3, 1).contiguous().view(torch.uint8)
         elif row_group != 1:
             n = self.shape[0]
             full = n // row_group * row_group

@@ -29,12 +29,10 @@ from torch import nn
 
 from ..distributed import WHOLE, TPShard, all_reduce_sum
 from ..kernels.quant import quant_linear
-from ..kernels.quant_cpu import activation_format
+from ..kernels.quant_cpu import cpu_row_order
 from ..kernels.quant_reference import (
     BLOCK,
     FORMATS,
-    ROW_GROUP,
-    TILE_ROWS,
     QuantizedWeight,
     quant_format,
     quantize,
@@ -92,14 +90,9 @@ class QuantizedLinear(nn.Module):
 
 
 def _row_group(qweight: QuantizedWeight) -> int:
-    """The row order the kernel on qweight's device reads fastest. Tiled on the CPU beside
-    grouped, first-generation Zen, one thread, the default model's shapes: Q4_1 1.28x at one
-    activation row, 1.17x at 5, 1.16x at 32; Q8_0 1.11x, 1.26x, 1.27x (cpu_quant.c)."""
-    if qweight.blocks.device.type != "cpu":
-        return 1
-    if qweight.shape[0] % TILE_ROWS == 0 and activation_format() != "fp32":
-        return TILE_ROWS
-    return ROW_GROUP
+    """The row order the kernel on qweight's device reads: the C kernel's choice on the CPU,
+    GGUF's own (the Triton kernel's) elsewhere."""
+    return cpu_row_order(qweight.shape[0]) if qweight.blocks.device.type == "cpu" else 1
 
 
 def quantize_model(model: nn.Module, quantization: str | None) -> nn.Module:

@@ -1,0 +1,87 @@
+/* This CPU's arithmetic ceilings for the kernels' inner instructions, so a benchmark can state
+ * each kernel's fraction of what the core can do (bench/quant.py). Not used by the model.
+ *
+ * Each probe runs `iters` rounds of ACCS independent accumulator chains on every thread (one
+ * OpenMP team of num_threads) and returns the operations done; the caller times the call:
+ *   ceiling_fma     fp32 multiply-adds: vf_fmadd, cpu_simd.h's vector width (the bf16 and
+ *                   fp32-activation kernels' arithmetic after widening)
+ *   ceiling_madd16  int16 pair multiply-adds into int32 lanes, 256-bit (the Q16 quantized
+ *                   kernels' VPMADDWD + VPADDD; VPDPWSSD on the AVX-512 build, as they use)
+ * Enough chains hide every latency, so the time is the issue throughput alone. Each operation
+ * takes its chain's previous result (a loop-invariant product would be hoisted out of the loop),
+ * and the results are folded into a value the caller receives, so no loop can be dropped. */
+#include <stdint.h>
+
+#include "cpu_simd.h"
+
+#define ACCS 8
+
+/* Returns the fp32 multiply-adds done (iters * ACCS * VF per thread, summed). */
+int64_t ceiling_fma(int64_t iters, float *sink, int num_threads) {
+    int64_t total = 0;
+#pragma omp parallel num_threads(num_threads) reduction(+ : total)
+    {
+        vf acc[ACCS];
+        const vf a = vf_set1(0.999f), b = vf_set1(1e-3f);
+        for (int j = 0; j < ACCS; j++) acc[j] = vf_set1((float)j);
+        for (int64_t i = 0; i < iters; i++)
+#pragma GCC unroll 8
+            for (int j = 0; j < ACCS; j++) acc[j] = vf_fmadd(acc[j], a, b);
+        vf sum = vf_zero();
+        for (int j = 0; j < ACCS; j++) sum = vf_add(sum, acc[j]);
+#pragma omp critical
+        *sink += vf_reduce_add(sum);
+        total += iters * ACCS * VF;
+    }
+    return total;
+}
+
+/* Returns the int16 multiply-adds done (iters * ACCS * 16 per thread, summed). */
+int64_t ceiling_madd16(int64_t iters, int32_t *sink, int num_threads) {
+    int64_t total = 0;
+#pragma omp parallel num_threads(num_threads) reduction(+ : total)
+    {
+#if defined(SPECSERVE_ISA_AVX512) || defined(SPECSERVE_ISA_AVX2)
+        __m256i acc[ACCS];
+        const __m256i a = _mm256_set1_epi16(3);
+        for (int j = 0; j < ACCS; j++) acc[j] = _mm256_set1_epi32(j);
+        for (int64_t i = 0; i < iters; i++)
+#pragma GCC unroll 8
+            for (int j = 0; j < ACCS; j++)
+#if defined(SPECSERVE_ISA_AVX512)
+                acc[j] = _mm256_dpwssd_epi32(acc[j], acc[j], a);
+#else
+                acc[j] = _mm256_add_epi32(_mm256_madd_epi16(acc[j], a), _mm256_set1_epi32(-2));
+#endif
+        uint32_t lanes[8], folded = 0; /* unsigned: the fold wraps, defined */
+        for (int j = 0; j < ACCS; j++) {
+            _mm256_storeu_si256((__m256i *)lanes, acc[j]);
+            for (int l = 0; l < 8; l++) folded += lanes[l];
+        }
+#else
+        typedef int16_t v16 __attribute__((vector_size(32)));
+        typedef int32_t v8 __attribute__((vector_size(32)));
+        typedef uint32_t uv8 __attribute__((vector_size(32)));
+        v8 acc[ACCS];
+        const v16 a = (v16){0} + 3;
+        for (int j = 0; j < ACCS; j++) acc[j] = (v8){0} + j;
+        for (int64_t i = 0; i < iters; i++)
+#pragma GCC unroll 8
+            for (int j = 0; j < ACCS; j++) {
+                const v16 x = (v16)acc[j];
+                v8 sums = {0};
+                for (int l = 0; l < 8; l++)
+                    sums[l] = (int32_t)x[2 * l] * a[2 * l] + (int32_t)x[2 * l + 1] * a[2 * l + 1];
+                /* |each product| < 2^17: the pair's sum is exact */
+                acc[j] = (v8)((uv8)sums - 2u); /* wraps as VPADDD does */
+            }
+        uint32_t folded = 0; /* unsigned: the fold wraps, defined */
+        for (int j = 0; j < ACCS; j++)
+            for (int l = 0; l < 8; l++) folded += (uint32_t)acc[j][l];
+#endif
+#pragma omp critical
+        *sink = (int32_t)((uint32_t)*sink + folded);
+        total += iters * ACCS * 16;
+    }
+    return total;
+}
