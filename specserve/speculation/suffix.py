@@ -27,7 +27,7 @@ import heapq
 import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .modes import SpecMode
 from .proposers import Proposal, ProposerInput, _chain_slots
@@ -52,40 +52,49 @@ class SuffixMatch:
 
     match_length: int  # tokens of the context matched (0: no match)
     continuations: list[list[int]]  # one per candidate, most recent first
+    _shapes: dict[int, tuple[list[int], list[int], float]] = field(
+        default_factory=dict, repr=False, compare=False)  # budget -> _shape(budget)
 
     def draft_tree(self, root_token: int, budget: int) -> tuple[TokenTree | None, float]:
         """The candidates' continuations as a tree of at most `budget` nodes (root excluded),
         and its score: the nodes' shares summed, the tokens it should get accepted if the
         candidates are a fair sample of what follows. (None, 0.0) when nothing clears
         MIN_SHARE."""
+        if budget not in self._shapes:  # a step asks several times (mode, slots, proposal)
+            self._shapes[budget] = self._shape(budget)
+        tokens, parents, score = self._shapes[budget]
+        if not tokens:
+            return None, 0.0
+        return _bfs_ordered([root_token, *tokens], [-1, *parents]), score
+
+    def _shape(self, budget: int) -> tuple[list[int], list[int], float]:
+        """draft_tree's nodes below the root: their tokens, parents (0: the root) and score."""
         max_depth = min(budget, MATCH_FACTOR * self.match_length)
         if not self.continuations or max_depth < 1:
-            return None, 0.0
+            return [], [], 0.0
         trie = _Trie.of([c[:max_depth] for c in self.continuations])
         total = len(self.continuations)
         # Best-first over the trie: a node's score is the share of candidates that agree with
         # its whole path; parents always score at least their children, so BFS order holds.
-        tokens, parents = [root_token], [-1]
+        tokens, parents = [], []
         score = 0.0
         frontier = [(-count / total, order, token, 0, node)
                     for order, (token, (count, node)) in enumerate(trie.children(0).items())]
         heapq.heapify(frontier)
         order = len(frontier)
-        while frontier and len(tokens) <= budget:
+        while frontier and len(tokens) < budget:
             neg_score, _, token, parent, node = heapq.heappop(frontier)
             if -neg_score < MIN_SHARE:
                 break
             tokens.append(token)
             parents.append(parent)
             score -= neg_score
-            here = len(tokens) - 1
+            here = len(tokens)  # its index in the tree, the root being 0
             for child_token, (count, child) in trie.children(node).items():
                 heapq.heappush(frontier, (neg_score * count / trie.count(node), order,
                                           child_token, here, child))
                 order += 1
-        if len(tokens) == 1:
-            return None, 0.0
-        return _bfs_ordered(tokens, parents), score
+        return tokens, parents, score
 
     def beats_a_draft(self, budget: int) -> bool:
         """Whether to draft from the store rather than with a draft model this step."""
