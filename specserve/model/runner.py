@@ -153,11 +153,10 @@ class PendingResult:
 
 @dataclass
 class PendingForward:
-    """A submitted forward: its segments and inputs, and its logits [R, vocab] and hidden rows
-    [Hr, H] once `result` is done."""
+    """A submitted forward: its segments, and its logits [R, vocab] and hidden rows [Hr, H]
+    once `result` is done."""
 
     segments: Sequence[Segment]
-    inputs: StepInputs
     result: PendingResult
 
 
@@ -258,11 +257,11 @@ class ModelRunner:
                                     torch.float32),
                                    (len(inputs.hidden_rows), self.model.spec.hidden_size,
                                     self.dtype)])
-            return PendingForward(segments, inputs, result)
+            return PendingForward(segments, result)
         logits = self._logit_rows(hidden, inputs)
         if logits is None:  # no segment wants logits
             logits = torch.zeros(0, self.model.spec.vocab_size)
-        return PendingForward(segments, inputs, PendingResult.ready(
+        return PendingForward(segments, PendingResult.ready(
             logits, hidden[inputs.hidden_rows.to(self.device)]))
 
     def collect(self, pending: PendingForward, hidden_out: list[torch.Tensor] | None = None

@@ -23,6 +23,8 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 PROMPTS = ["def add(a, b):", "The quick brown fox", "héllo wörld ✓ " * 12, "1 2 3 4 5",
            "abc abc abc", "x = [", "Once upon", "import os\n"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+LOGPROBS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2,
+                         prompt_logprobs=2)
 MODES = ["off", "chain:3", "tree:8", [[0], [1], [0, 0], [0, 1], [1, 0]], "adaptive"]
 # 40 blocks of 4 tokens for 8 requests of up to ~190 tokens: preemption under every mode.
 SMALL_POOL = {"num_blocks": 40, "block_size": 4, "max_num_seqs": 8,
@@ -62,6 +64,19 @@ def test_pp2_matches_pp1_batched_with_preemption(tiny_target, tiny_draft):
         engine.block_manager.check_no_leak()
         # At batch 1 one micro-batch at a time, and the same tokens.
         assert _greedy(llm, "chain:3", PROMPTS[:1]) == expected["chain:3"][:1]
+        # Log-probabilities: the prompt's hidden rows come back from the last stage and go to
+        # it again through the LM head (ModelRunner.logits), behind the forwards in flight.
+        for got, want in zip(llm.generate(PROMPTS[:3], LOGPROBS, speculation="chain:3"),
+                             base.generate(PROMPTS[:3], LOGPROBS, speculation="chain:3"),
+                             strict=True):
+            assert got.token_ids == want.token_ids
+            assert len(got.prompt_logprobs) == len(got.prompt_token_ids)
+            for g, w in zip(got.prompt_logprobs + got.logprobs,
+                            want.prompt_logprobs + want.logprobs, strict=True):
+                assert (g is None) == (w is None)
+                if w is not None:
+                    assert g.token_id == w.token_id and abs(g.logprob - w.logprob) < 1e-4
+                    assert [t for t, _ in g.top] == [t for t, _ in w.top]
     finally:
         llm.shutdown()
     for pid in pids:
