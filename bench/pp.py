@@ -4,9 +4,10 @@ with micro-batches in flight (the batch queue) and without, and what crosses a s
     python -m bench pp                                  # widened pair, pp 1 vs 2
     python -m bench pp --pair demo --chats 16 --max-tokens 16
 
-Each configuration runs in its own engine (one process holds one process group): pp=1; pp=N
-with one micro-batch at a time (`PipelinedEngine.depth = 1`); pp=N with up to N in flight.
-Greedy token ids of every configuration are compared with pp=1's.
+Two engines, one after the other (one process holds one process group): pp=1, then pp=N, in
+which one micro-batch at a time (`PipelinedEngine.depth = 1`) and up to N in flight alternate
+round by round; each row is its best of `--rounds`. Greedy token ids of every row are compared
+with pp=1's.
 
 Per target forward (rank 0): *stage 0* is rank 0's own layers (`ModelRunner.submit`), *wait* is
 the time rank 0 then waits for the last stage's results (`collect`): the other stages' compute,
@@ -16,6 +17,11 @@ sends down a boundary (header, payload, hidden states) and back (logits [R, voca
 from a two-process gloo ping-pong of those sizes (`p2p_latency`), so *other stages* is
 wait - transfer. Bytes per step per boundary are rank 0's link counters
 (`specserve.distributed.collective_stats`) over the forwards.
+
+`--threads` sets the pp=1 engine's torch threads (default: every core). On a machine shared with
+other work a 2-thread run waits at every parallel region for a descheduled thread, so there
+`--threads 1` (one core, as each stage of pp=2 gets) is the fair baseline; the load average is
+printed beside the figures.
 
 What two shared cores hide: the stages share the machine's cores (`cores // pp` torch threads
 each), so pp=2 runs each stage on one core instead of the model on two: at batch 1 pp=2 is
@@ -40,7 +46,7 @@ import time
 import torch
 
 from bench.compare import chat_prompts, held_out_questions, load_pair
-from bench.options import cpu, usable_cores
+from bench.options import add_threads, cpu, usable_cores
 from specserve import LLM, SamplingParams
 from specserve.distributed import CollectiveStats, collective_stats
 
@@ -88,8 +94,7 @@ def _stats_delta(before: CollectiveStats) -> dict:
 
 
 def _measure(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> dict:
-    """One timed generate of `prompts` together (after an untimed warm-up of the same)."""
-    llm.generate(prompts, params, speculation="off")
+    """One timed generate of `prompts` together."""
     times = ForwardTimes()
     _time_runner(llm.engine.runner, times)
     stats0 = dataclasses.replace(collective_stats())
@@ -104,20 +109,31 @@ def _measure(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> dict
             "times": times, "link": _stats_delta(stats0)}
 
 
-def run_config(pair, pp: int, depth: int, batch1: list[list[int]], load: list[list[int]],
-               params: SamplingParams, load_params: SamplingParams) -> dict:
+def run_engine(pair, pp: int, depths: list[int], work: dict, rounds: int) -> dict:
+    """One engine at `pp`; per depth (micro-batches in flight at most) and work kind, the
+    best of `rounds` timed runs, the depths interleaved round by round (the machine's speed
+    drifts). `work`: kind -> (prompts, params)."""
     llm = LLM(pair.target, pp=pp)
     try:
-        if pp > 1:
-            llm.engine.depth = depth
+        for prompts, params in work.values():  # warm-up: every shape once
+            llm.generate(prompts, params, speculation="off")
+        best: dict = {depth: {} for depth in depths}
+        for _ in range(rounds):
+            for depth in depths:
+                if pp > 1:
+                    llm.engine.depth = depth
+                    llm.engine.max_in_flight = 0
+                for kind, (prompts, params) in work.items():
+                    run = _measure(llm, prompts, params)
+                    if pp > 1:
+                        run["max_in_flight"] = llm.engine.max_in_flight
+                    if kind not in best[depth] or run["tok_s"] > best[depth][kind]["tok_s"]:
+                        best[depth][kind] = run
         spec = llm.engine.target.spec
-        result = {"batch1": _measure(llm, batch1, params),
-                  "load": _measure(llm, load, load_params),
-                  "hidden": spec.hidden_size, "vocab": spec.vocab_size,
-                  "dtype": llm.engine.target.dtype}
-        if pp > 1:
-            result["max_in_flight"] = llm.engine.max_in_flight
-        return result
+        for result in best.values():
+            result.update(hidden=spec.hidden_size, vocab=spec.vocab_size,
+                          dtype=llm.engine.target.dtype)
+        return best
     finally:
         llm.shutdown()
 
@@ -196,7 +212,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench pp") -> int
     p.add_argument("--chats", type=int, default=16, help="the load: chats generated together")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--load-max-tokens", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=2, help="timed runs per row (best kept)")
+    add_threads(p)  # the pp=1 engine's; each rank of pp=N gets cores // N
     args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
     pair = load_pair(args.pair)
     from specserve.model.loader import load_tokenizer
     tokenizer = load_tokenizer(pair.target)
@@ -209,8 +228,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench pp") -> int
                                  ignore_eos=True)
     configs = {"pp=1": (1, 1), f"pp={args.pp}, 1 in flight": (args.pp, 1),
                f"pp={args.pp}, up to {args.pp} in flight": (args.pp, args.pp)}
-    results = {name: run_config(pair, pp, depth, batch1, load, params, load_params)
-               for name, (pp, depth) in configs.items()}
+    work = {"batch1": (batch1, params), "load": (load, load_params)}
+    single = run_engine(pair, 1, [1], work, args.rounds)
+    split = run_engine(pair, args.pp, [1, args.pp], work, args.rounds)
+    results = {"pp=1": single[1], f"pp={args.pp}, 1 in flight": split[1],
+               f"pp={args.pp}, up to {args.pp} in flight": split[args.pp]}
     one = results["pp=1"]
     sizes = sorted({round(r[kind]["link"][f"{way}_bytes"] / max(1, r[kind]["times"].forwards))
                     for r in results.values() for kind in ("batch1", "load")
@@ -219,6 +241,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench pp") -> int
     info = cpu()
     print(f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())} (other processes "
           f"share the cores: read the ratios)")
+    print(f"pp=1 runs {args.threads} torch threads, each rank of pp={args.pp} "
+          f"{max(1, usable_cores() // args.pp)}")
     print(f"pair {pair.name} target ({one['hidden']} hidden, vocab {one['vocab']}, "
           f"{one['dtype']}), {usable_cores()} cores ({info.get('model_name')}, family "
           f"{info.get('family')} model {info.get('model')}, {' '.join(info.get('flags', []))})")
@@ -233,8 +257,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench pp") -> int
             pp = configs[name][0]
             print(_row(name, one[kind], run[kind], probe, pp))
         for name, run in results.items():
-            if "max_in_flight" in run:
-                print(f"{name}: at most {run['max_in_flight']} micro-batches were in flight")
+            if "max_in_flight" in run[kind]:
+                print(f"{name}: at most {run[kind]['max_in_flight']} micro-batches were in "
+                      f"flight")
     H, layers = one["hidden"], pair_layers(pair)
     item = torch.empty(0, dtype=one["dtype"]).element_size()
     print(f"\nper decode token and boundary across machines: PP sends one hidden row, {H} x "
