@@ -128,8 +128,7 @@ def test_killed_stage_fails_fast(tiny_target):
     assert _gone(pid)
 
 
-def test_bad_pp_options_are_clear_errors(tiny_target):
+def test_bad_pp_option_is_a_clear_error(tiny_target):
+    """(More stages than layers fails in every rank's load: test_pp_stages.test_layer_ranges.)"""
     with pytest.raises(ValueError, match="pp must be a positive int"):
         LLM(tiny_target, pp=0)
-    with pytest.raises(ValueError, match="2 layers cannot be split over pp=3"):
-        LLM(tiny_target, pp=3)
