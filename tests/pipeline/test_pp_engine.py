@@ -4,7 +4,8 @@ Greedy output at pp=2 equals pp=1 token for token, without and with speculation 
 static, adaptive), with eight requests batched through a pool small enough to preempt, so the
 batch queue keeps two micro-batches in flight; pp=2 x tp=2 on four processes does too. A
 killed stage fails the engine within seconds with an error naming its stage and rank, and
-shutdown leaves no process behind.
+shutdown leaves no process behind. Where its wheel is installed, the default model (GGUF) with
+its EAGLE-style draft gives the same tokens at pp=2.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import pytest
 
 from specserve import LLM, SamplingParams
 from specserve.distributed import TensorParallelError, collective_stats
+from tests.test_default_model import wheel_installed
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -132,3 +134,20 @@ def test_bad_pp_option_is_a_clear_error(tiny_target):
     """(More stages than layers fails in every rank's load: test_pp_stages.test_layer_ranges.)"""
     with pytest.raises(ValueError, match="pp must be a positive int"):
         LLM(tiny_target, pp=0)
+
+
+@pytest.mark.skipif(not wheel_installed(), reason="the default model's wheel is not installed")
+def test_default_model_and_its_draft_at_pp2():
+    """The real default model: a GGUF file (each stage dequantizes its own tensors, Q4_1
+    projections on the file's blocks) and its EAGLE-style draft on rank 0, which shares stage
+    0's embedding and reads the target's hidden states back from the last stage."""
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    conversations = [[{"role": "user", "content": "What is the capital of France?"}],
+                     [{"role": "user", "content": "Write a haiku about the sea."}]]
+    want = [out.token_ids for out in LLM().chat(conversations, params)]
+    llm = LLM(pp=2)
+    try:
+        assert llm.engine.proposer.reads_target_hidden
+        assert [out.token_ids for out in llm.chat(conversations, params)] == want
+    finally:
+        llm.shutdown()
