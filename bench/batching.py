@@ -4,6 +4,7 @@
     python -m bench throughput --concurrency 1 4 16 32 --max-tokens 64 --repeats 1
     python -m bench throughput --speculation tree   # demo target + demo draft
     python -m bench throughput --target DIR [--draft DIR] [--json]
+    python -m bench throughput --target MODEL.gguf --beside-llamacpp   # decode beside llama.cpp
 
 For each N, the first N prompts of one fixed list run twice on one engine:
 
@@ -22,13 +23,21 @@ each run: `schedule_time_s / num_steps` in microseconds, and its share of step t
 draft + target forward + verify + commit). Prefix caching is off by default (`--prefix-caching`
 turns it on), so whichever run goes second does not reuse the first run's prompt KV. Repeats
 alternate which run goes first; the table shows the median.
+
+`--beside-llamacpp` (a GGUF `--target`) measures instead what llama.cpp's `llama-batched-bench
+-npp 64 -ntg 64 -npl N` does, on the same file in the same run: N sequences of 64 random prompt
+tokens (fresh ids each time: no prefix hits), 64 new tokens each, greedy; aggregate decode
+tokens/s = N x 64 / (time of 65 new tokens - time of 1, the prefill), best of `--repeats`, beside
+its S_TG column (decode tokens/s over all sequences), and both prefill rates.
 """
 
 from __future__ import annotations
 
 import argparse
 import inspect
+import re
 import statistics
+import subprocess
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -211,6 +220,64 @@ def format_rows(rows: list[Row]) -> str:
     return "\n".join(lines + ["concurrent runs, where the step time goes:"] + breakdown)
 
 
+def decode_rates(llm, concurrency: tuple[int, ...], repeats: int, prompt_len: int = 64,
+                 new_tokens: int = 64) -> dict[int, dict[str, float]]:
+    """Per N: aggregate prefill and decode tokens/s of N sequences of `prompt_len` random ids
+    (as llama-batched-bench times them; see the module docstring)."""
+    from specserve import SamplingParams
+
+    gen = torch.Generator().manual_seed(0)
+    vocab = llm.tokenizer.vocab_size
+    out = {}
+    for n in concurrency:
+        best: dict[int, float] = {}
+        for _ in range(repeats):
+            prompts = [torch.randint(100, vocab, (prompt_len,), generator=gen).tolist()
+                       for _ in range(n)]
+            for new in (1, new_tokens + 1):
+                params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+                start = time.perf_counter()
+                llm.generate(prompts, [params] * n)
+                best[new] = min(best.get(new, float("inf")), time.perf_counter() - start)
+        decode_s = best[new_tokens + 1] - best[1]
+        out[n] = {"prefill_tok_s": n * prompt_len / best[1],
+                  "decode_tok_s": n * new_tokens / decode_s}
+    return out
+
+
+def llamacpp_batched(gguf: Path, concurrency: tuple[int, ...], threads: int,
+                     prompt_len: int = 64, new_tokens: int = 64) -> dict[int, dict[str, float]]:
+    """llama-batched-bench's S_PP and S_TG per N on gguf (the peer build; {} without it)."""
+    from bench.cpu_paths import PEER, peer_bin
+
+    bin_dir = peer_bin(PEER)
+    if bin_dir is None:
+        return {}
+    cmd = [str(bin_dir / "llama-batched-bench"), "-m", str(gguf), "-c", "16384",
+           "-npp", str(prompt_len), "-ntg", str(new_tokens),
+           "-npl", ",".join(map(str, concurrency)), "-t", str(threads), "-tb", str(threads)]
+    text = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    out = {}
+    for line in text.splitlines():  # | PP | TG | B | N_KV | T_PP s | S_PP t/s | T_TG s | S_TG t/s |
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 8 and re.fullmatch(r"\d+", cells[2]):
+            out[int(cells[2])] = {"prefill_tok_s": float(cells[5]),
+                                  "decode_tok_s": float(cells[7])}
+    return out
+
+
+def format_beside(ours: dict, theirs: dict) -> str:
+    lines = ["| N | specserve decode tok/s | llama.cpp decode tok/s | ratio | specserve prefill "
+             "tok/s | llama.cpp prefill tok/s |", "|---|---|---|---|---|---|"]
+    for n, mine in ours.items():
+        peer = theirs.get(n)
+        ratio = f"{mine['decode_tok_s'] / peer['decode_tok_s']:.2f}x" if peer else "-"
+        lines.append(f"| {n} | {mine['decode_tok_s']:.1f} | "
+                     f"{peer['decode_tok_s'] if peer else '-'} | {ratio} | "
+                     f"{mine['prefill_tok_s']:.0f} | {peer['prefill_tok_s'] if peer else '-'} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None, prog: str = "python -m bench throughput") -> None:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     parser.add_argument("--target", type=Path, help="target model folder (default: demo target)")
@@ -224,8 +291,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench throughput"
     parser.add_argument("--repeats", type=int, default=1)
     add_threads(parser)
     parser.add_argument("--prefix-caching", action="store_true")
+    parser.add_argument("--beside-llamacpp", action="store_true",
+                        help="decode tokens/s beside llama-batched-bench on the same GGUF")
     add_json(parser)
     args = parser.parse_args(argv)
+    if args.beside_llamacpp and (args.target is None or args.target.suffix != ".gguf"):
+        parser.error("--beside-llamacpp needs a GGUF --target (llama.cpp runs the same file)")
 
     from specserve import LLM
     from specserve.llm import demo_pair
@@ -239,6 +310,17 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench throughput"
             draft = demo_draft
     llm = LLM(target, draft, speculation=args.speculation, dtype=args.dtype,
               max_num_seqs=max(args.concurrency), enable_prefix_caching=args.prefix_caching)
+    if args.beside_llamacpp:
+        concurrency = tuple(args.concurrency)
+        ours = decode_rates(llm, concurrency, args.repeats)
+        theirs = llamacpp_batched(args.target, concurrency, torch.get_num_threads())
+        if args.json:
+            write_json(args, {"specserve": ours, "llama.cpp": theirs})
+            return
+        print(f"{args.target.name}, speculation {args.speculation}, 64-token prompts, 64 new "
+              f"tokens, greedy, {torch.get_num_threads()} threads, best of {args.repeats}")
+        print(format_beside(ours, theirs))
+        return
     prompts = demo_prompts(max(args.concurrency))
     rows = run_batching(llm, tuple(args.concurrency), args.max_tokens, args.repeats, prompts)
     lengths = prompt_lengths(llm, prompts)
