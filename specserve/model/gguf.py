@@ -32,6 +32,7 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -151,9 +152,12 @@ class GGUFCheckpoint:
         return max(set(types), key=types.count) if types else "F32"
 
 
-def read_gguf(path: str | Path, convert: bool = True) -> GGUFCheckpoint:
+def read_gguf(path: str | Path, convert: bool = True,
+              keep: Callable[[str, object], bool] | None = None) -> GGUFCheckpoint:
     """Parse `path`: metadata into a config, tensors into `GGUFTensor`s (memory-mapped; a type
-    the kernels do not run converted into one they do, unless `convert` is False).
+    the kernels do not run converted into one they do, unless `convert` is False). With `keep`,
+    only the tensors for which keep(Hugging Face name, config) holds are read (unpermuted,
+    converted): a pipeline stage touches no other stage's tensors.
 
     `GGUFReader` parses every metadata value in Python, the tokenizer's ~100k strings included
     (~5 s for SmolLM2, far longer on a busy machine), so what this loader needs from it (the
@@ -169,7 +173,7 @@ def read_gguf(path: str | Path, convert: bool = True) -> GGUFCheckpoint:
     except (OSError, ValueError):
         index = _build_index(path)
         _write_atomically(index_file, json.dumps(index))
-    return _checkpoint(path, index, convert)
+    return _checkpoint(path, index, convert, keep)
 
 
 def _build_index(path: Path) -> dict:
@@ -195,18 +199,21 @@ def _plain(value):
     return value
 
 
-def _checkpoint(path: Path, index: dict, convert: bool) -> GGUFCheckpoint:
+def _checkpoint(path: Path, index: dict, convert: bool,
+                keep: Callable[[str, object], bool] | None) -> GGUFCheckpoint:
     meta = index["metadata"]
     arch = meta.get("general.architecture")
     if arch not in _ARCHITECTURES:
         raise GGUFError(f"{path}: unsupported GGUF architecture {arch!r}; supported: "
                         f"{', '.join(_ARCHITECTURES)}")
+    entries = {_hf_name(path, arch, entry["name"]): entry for entry in index["tensors"]}
+    for entry in entries.values():  # a type no loader reads is named first, whatever is kept
+        _qtype(path, entry)
+    config = _hf_config(path, arch, meta, {name: tuple(reversed(entry["dims"]))
+                                           for name, entry in entries.items()})
     data = np.memmap(path, dtype=np.uint8, mode="r")
-    tensors = {}
-    for entry in index["tensors"]:
-        tensor = _tensor(path, arch, entry, data, meta, convert)
-        tensors[tensor.name] = tensor
-    config = _hf_config(path, arch, meta, tensors)
+    tensors = {name: _tensor(path, arch, entry, data, meta, convert)
+               for name, entry in entries.items() if keep is None or keep(name, config)}
     tokenizer = GGUFTokenizerInfo(
         model=meta.get("tokenizer.ggml.model", ""),
         vocab_size=config.vocab_size,
@@ -234,13 +241,18 @@ def _hf_name(path: Path, arch: str, gguf_name: str) -> str:
     return f"model.layers.{layer}.{modules[module]}.{kind}"
 
 
+def _qtype(path: Path, entry: dict) -> GGMLQuantizationType:
+    qtype = GGMLQuantizationType(entry["type"])
+    if qtype not in SUPPORTED_TYPES:
+        raise GGUFError(f"{path}: tensor {entry['name']!r} has type {qtype.name}; supported "
+                        f"types: {', '.join(sorted(q.name for q in SUPPORTED_TYPES))}")
+    return qtype
+
+
 def _tensor(path: Path, arch: str, entry: dict, data: np.ndarray, meta: dict,
             convert_blocks: bool) -> GGUFTensor:
-    qtype = GGMLQuantizationType(entry["type"])
+    qtype = _qtype(path, entry)
     gguf_name = entry["name"]
-    if qtype not in SUPPORTED_TYPES:
-        raise GGUFError(f"{path}: tensor {gguf_name!r} has type {qtype.name}; supported types: "
-                        f"{', '.join(sorted(q.name for q in SUPPORTED_TYPES))}")
     name = _hf_name(path, arch, gguf_name)
     dims = entry["dims"]  # GGUF order: fastest-varying (input features) first
     if len(dims) not in (1, 2):
@@ -290,13 +302,14 @@ def _unpermute_rows(raw: np.ndarray, shape: tuple[int, ...], qtype: GGMLQuantiza
     return np.ascontiguousarray(out).reshape(rows, -1)
 
 
-def _hf_config(path: Path, arch: str, meta: dict, tensors: dict[str, GGUFTensor]):
+def _hf_config(path: Path, arch: str, meta: dict, shapes: dict[str, tuple[int, ...]]):
+    """The transformers config of the file (shapes: every tensor's, by Hugging Face name)."""
     from transformers import Gemma3TextConfig, LlamaConfig, Qwen2Config, Qwen3Config
 
     def get(key: str, default=None):
         return meta.get(f"{arch}.{key}", default)
 
-    embed = tensors.get("model.embed_tokens.weight")
+    embed = shapes.get("model.embed_tokens.weight")
     if embed is None:
         raise GGUFError(f"{path}: no token_embd.weight tensor")
     heads = get("attention.head_count")
@@ -318,7 +331,7 @@ def _hf_config(path: Path, arch: str, meta: dict, tensors: dict[str, GGUFTensor]
            "gemma3": Gemma3TextConfig}[arch]
     return cls(
         architectures=[_ARCHITECTURES[arch]],
-        vocab_size=embed.shape[0],
+        vocab_size=embed[0],
         hidden_size=hidden,
         intermediate_size=get("feed_forward_length"),
         num_hidden_layers=get("block_count"),
@@ -328,8 +341,8 @@ def _hf_config(path: Path, arch: str, meta: dict, tensors: dict[str, GGUFTensor]
         max_position_embeddings=get("context_length", 2048),
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_parameters=rope,
-        tie_word_embeddings="lm_head.weight" not in tensors,
-        attention_bias="model.layers.0.self_attn.q_proj.bias" in tensors,
+        tie_word_embeddings="lm_head.weight" not in shapes,
+        attention_bias="model.layers.0.self_attn.q_proj.bias" in shapes,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
         pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),

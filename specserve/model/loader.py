@@ -235,12 +235,11 @@ def _load_gguf(path: Path, dtype: str | torch.dtype, device: str | torch.device,
                quantization: str | None, shard: TPShard, stage: PipelineStage) -> DecoderLM:
     """A GGUF's tensors are read whole and dequantized, then each rank keeps its slice (the
     file's blocks have no lazy slicing); Q8_0 / Q4_0 / Q4_1 projections then take this rank's
-    rows or block columns of the file's blocks. A pipeline stage dequantizes only the tensors
-    it routes."""
+    rows or block columns of the file's blocks. A pipeline stage reads only its own tensors."""
     from .gguf import GGUFError, read_gguf
 
     try:
-        ckpt = read_gguf(path)
+        ckpt = read_gguf(path, keep=_stage_reads(stage) if stage.is_split else None)
     except GGUFError as exc:
         raise CheckpointError(str(exc)) from exc
     if dtype == "auto":
@@ -264,6 +263,21 @@ def _load_gguf(path: Path, dtype: str | torch.dtype, device: str | torch.device,
     else:
         quantize_model(model, quantization)
     return model.to(device).eval()
+
+
+def _stage_reads(stage: PipelineStage):
+    """keep(name, config) for read_gguf: the tensors a pipeline stage holds (its layers; the
+    embedding on the first stage; the final norm and LM head, the embedding when tied, on the
+    last)."""
+    def keep(name: str, config) -> bool:
+        m = _LAYER.match(name)
+        if m is not None:
+            return int(m[1]) in stage.layers(config.num_hidden_layers)
+        if name == "model.embed_tokens.weight":
+            return stage.is_first or (stage.is_last and config.tie_word_embeddings)
+        return stage.is_last  # model.norm.weight, lm_head.weight
+
+    return keep
 
 
 def _stage_tensors(tensors: dict, model: DecoderLM) -> dict:

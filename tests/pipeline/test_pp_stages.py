@@ -126,9 +126,19 @@ def test_gguf_stage_dequantizes_only_its_tensors(tiny_target, tmp_path, monkeypa
     monkeypatch.setattr(gguf.GGUFTensor, "dequantize",
                         lambda self, dtype=torch.float32: seen.append(self.name) or real(self,
                                                                                          dtype))
+    read = []
+    real_tensor = gguf._tensor
+    monkeypatch.setattr(gguf, "_tensor", lambda path, arch, entry, *rest: read.append(
+        entry["name"]) or real_tensor(path, arch, entry, *rest))
     last = load_model(path, dtype="float32", stage=PipelineStage(1, 2))
-    assert sorted(seen) == sorted(n for n in gguf.read_gguf(path).tensors
-                                  if n.startswith(("model.layers.1.", "model.norm.", "lm_head.")))
+    stage_read = list(read)  # the stage's load only, not the whole-file read below
+    mine = sorted(n for n in gguf.read_gguf(path).tensors
+                  if n.startswith(("model.layers.1.", "model.norm.", "lm_head.")))
+    assert sorted(seen) == mine
+    # not even read (unpermuted, converted): blk.1.*, the final norm, the head or tied embedding
+    assert all(n.startswith(("blk.1.", "output")) or n == "token_embd.weight"
+               for n in stage_read)
+    assert any(n.startswith("blk.1.") for n in stage_read)
     assert isinstance(last.layers[0].self_attn.qkv_proj, QuantizedLinear)
     assert torch.equal(last.layers[0].self_attn.qkv_proj.blocks,
                        whole.layers[1].self_attn.qkv_proj.blocks)
