@@ -178,8 +178,6 @@ class Request:
             self.finish("stop")
         elif len(self.output_token_ids) >= self.params.max_tokens:
             self.finish("length")
-        if self.is_finished and self.detokenizer is not None:
-            self.output_text += self.detokenizer.flush()
         return self.is_finished
 
     def _apply_stop_strings(self) -> bool:
@@ -190,7 +188,7 @@ class Request:
         if not hits:
             return False
         self.output_text = self.output_text[:min(hits)]
-        self.finish("stop")
+        self.finish("stop", flush=False)  # the text ends where the stop string began
         return True
 
     def take_text_delta(self) -> str:
@@ -202,7 +200,12 @@ class Request:
         self.num_emitted_chars = end
         return delta
 
-    def finish(self, reason: str) -> None:
+    def finish(self, reason: str, flush: bool = True) -> None:
+        """End the request. Its text then ends as a decode of all its tokens does: bytes held
+        back for an incomplete character come out as U+FFFD (unless `flush` is False: a stop
+        string cut the text)."""
+        if flush and self.detokenizer is not None:
+            self.output_text += self.detokenizer.flush()
         self.status = RequestStatus.FINISHED
         self.finish_reason = reason
         self.finished_time = time.monotonic()

@@ -141,6 +141,27 @@ def test_an_incomplete_last_character_is_flushed_at_the_end():
     assert detok.flush() == ""
 
 
+def test_an_aborted_request_ends_its_text_as_its_tokens_decode(tiny_target):
+    """A stop from the client can land inside a character too: the abort's delta carries the
+    held-back bytes, so the streamed text is what the same tokens decode to (what a request
+    for exactly that many tokens returns)."""
+    llm = LLM(tiny_target)
+    tok = llm.tokenizer
+    params = SamplingParams(temperature=0.9, seed=3, max_tokens=40, ignore_eos=True)
+    full = llm.generate([tok.encode("你好 🙂 héllo")], params)[0].token_ids
+    ends_inside = [n for n in range(1, len(full))  # the last: done before the abort
+                   if tok.decode(full[:n], skip_special_tokens=True).endswith("\ufffd")]
+    assert ends_inside  # seed 3's reply has a character split over tokens
+    n = ends_inside[-1]
+    req = llm.engine.add_request(tok.encode("你好 🙂 héllo"), params)
+    streamed = []
+    while len(req.output_token_ids) < n:
+        streamed += [d.text for d in llm.engine.step() if d.request_id == req.request_id]
+    assert req.output_token_ids == full[:n]
+    streamed.append(llm.engine.abort(req.request_id).text)
+    assert "".join(streamed) == tok.decode(full[:n], skip_special_tokens=True)
+
+
 def test_streamed_text_equals_final_text_with_multibyte(tiny_target):
     llm = LLM(tiny_target)
     tok = llm.tokenizer
