@@ -99,14 +99,13 @@ def run_quant_matmul(lib, x: torch.Tensor, qweight: QuantizedWeight, bias: torch
             qweight.row_group, None if bias is None else bias.data_ptr(), out.data_ptr(),
             out_dtype == torch.bfloat16, x.shape[0], qweight.shape[0], qweight.shape[1])
     if act == "fp32":
-        if qweight.row_group == TILE_ROWS:
-            raise ValueError(f"quant_matmul: row_group {TILE_ROWS} (the tiled order) is read by "
-                             "the integer-activation kernel only; fp32 activations need "
-                             f"row_group 1 or {ROW_GROUP} (set SPECSERVE_QUANT_ACT=fp32 before a "
-                             "model loads)")
         status = lib.quant_matmul(*args, torch.get_num_threads())
     else:
         status = lib.quant_matmul_int(*args, _ACT_BITS[act], torch.get_num_threads())
+    if status == -3 and qweight.row_group == TILE_ROWS:  # the C kernel's refusal, explained
+        raise ValueError(f"quant_matmul: row_group {TILE_ROWS} (the tiled order) is read by the "
+                         "integer-activation kernel only; fp32 activations need row_group 1 or "
+                         f"{ROW_GROUP} (set SPECSERVE_QUANT_ACT=fp32 before a model loads)")
     if status == -3:
         raise ValueError(f"quant_matmul: row_group {qweight.row_group} is not a kernel row order")
     if status:
