@@ -2,9 +2,11 @@
 replicas, what the gateway costs against the single-process server, and memory per replica.
 
     python -m bench scale [--target demo] [--conversations 16] [--turns 4] [--concurrency 4]
-                          [--max-tokens 16] [--overhead-requests 60] [--json PATH]
+                          [--max-tokens 16] [--overhead-requests 60]
+                          [--parts overhead,routing] [--json PATH]
 
-One run, three parts; Ray starts locally, and every engine runs on one torch thread:
+One run, up to three parts (`--parts`: overhead, routing; memory comes with whichever runs);
+Ray starts locally, and every engine runs on one torch thread:
 - overhead: `specserve serve` in a child process and one engine replica behind the gateway
   (Ray Serve's proxy -> the gateway's starlette app -> the replica through a streaming handle)
   are up at once and measured in alternating blocks over WebSocket, one request at a time:
@@ -45,6 +47,7 @@ from bench.options import add_json, environment, log, write_json
 from bench.serve import BenchConfig, Chat, RequestRecord, WebSocketBackend, percentile
 
 APP = "scale"
+PARTS = ("overhead", "routing")
 BLOCK = 10  # overhead samples alternate between the two servers in blocks of this many
 SYSTEM = ("You are the support assistant of a company that sells and repairs bicycles. Answer "
           "in two sentences at most, name the part or the service the customer needs, give "
@@ -279,8 +282,14 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--overhead-requests", type=int, default=60,
                    help="requests per server in the overhead part")
+    p.add_argument("--parts", default=",".join(PARTS),
+                   help=f"which parts to run, comma-separated (default: {','.join(PARTS)})")
     add_json(p)
     args = p.parse_args(argv)
+    args.parts = [part for part in args.parts.split(",") if part]
+    if not args.parts or any(part not in PARTS for part in args.parts):
+        p.error(f"--parts takes a comma-separated subset of {', '.join(PARTS)}, "
+                f"got {','.join(args.parts)!r}")
     from specserve.named_models import resolve_models
 
     target, draft = resolve_models(args.target, args.draft)
@@ -294,6 +303,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
     single_port, gateway_port = free_port(), free_port()
     log_path = Path(f"/tmp/bench-scale-single-{single_port}.log")
+    # Started even without the overhead part: it only loads while Ray starts.
     single = single_server(args, single_port, log_path)
     os.environ["OMP_NUM_THREADS"] = "1"  # the replicas inherit it: one torch thread each
     result: dict = {"environment": environment(1), "args": {
@@ -302,25 +312,30 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": gateway_port})
         gateway = f"http://127.0.0.1:{gateway_port}"
-        wait_healthy(f"http://127.0.0.1:{single_port}", time.monotonic() + 120)
-        deploy(args, gateway, 1, "prefix")
-        log("overhead: single-process server against one replica behind the gateway")
-        result["overhead"] = asyncio.run(overhead(
-            {"single": (f"ws://127.0.0.1:{single_port}", {"server": single.pid}),
-             "gateway": (f"ws://127.0.0.1:{gateway_port}", serve_processes())}, args))
-        result["memory_bytes"] = {"single_server": resident_bytes(single.pid)}
-        serve.delete(APP)
-        single.terminate()
-        result["routing"] = {}
-        for routing in ("prefix", "round_robin"):
-            deploy(args, gateway, 2, routing)
-            log(f"routing: {routing}, {args.conversations} conversations x {args.turns} turns")
-            records, wall = asyncio.run(workload(f"ws://127.0.0.1:{gateway_port}", args))
-            result["routing"][routing] = routing_summary(records, wall)
-            health = wait_healthy(gateway, time.monotonic() + 30, 2)
-            result["memory_bytes"][f"replicas_{routing}"] = sorted(
-                r["memory_bytes"] for r in health["replicas"])
+        result["memory_bytes"] = {}
+        if "overhead" in args.parts:
+            wait_healthy(f"http://127.0.0.1:{single_port}", time.monotonic() + 120)
+            deploy(args, gateway, 1, "prefix")
+            log("overhead: single-process server against one replica behind the gateway")
+            result["overhead"] = asyncio.run(overhead(
+                {"single": (f"ws://127.0.0.1:{single_port}", {"server": single.pid}),
+                 "gateway": (f"ws://127.0.0.1:{gateway_port}", serve_processes())}, args))
+            result["memory_bytes"]["single_server"] = resident_bytes(single.pid)
             serve.delete(APP)
+        single.terminate()
+        if "routing" in args.parts:
+            result["routing"] = {}
+            for routing in ("prefix", "round_robin"):
+                deploy(args, gateway, 2, routing)
+                log(f"routing: {routing}, {args.conversations} conversations x {args.turns} "
+                    f"turns")
+                records, wall = asyncio.run(workload(f"ws://127.0.0.1:{gateway_port}", args))
+                result["routing"][routing] = routing_summary(records, wall)
+                health = wait_healthy(gateway, time.monotonic() + 30, 2)
+                result["memory_bytes"][f"replicas_{routing}"] = sorted(
+                    r["memory_bytes"] for r in health["replicas"])
+                serve.delete(APP)
+        result["load_average_after"] = os.getloadavg()
     finally:
         if single.poll() is None:
             single.kill()
@@ -332,33 +347,40 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
 def report(result: dict) -> str:
     env = result["environment"]
+    after = result["load_average_after"][0]
     lines = [f"CPU {env['cpu']['model_name']} (family {env['cpu']['family']} model "
-             f"{env['cpu']['model']}), {env['cpus']} cores, load {env['load_average'][0]:.2f}",
-             "", "overhead (WebSocket, one request at a time, speculation off):"]
-    o = result["overhead"]
-    for name in ("single", "gateway"):
-        m = o[name]
-        lines.append(f"  {name:<8} TTFT p50 {m['ttft_ms_p50']:7.2f} ms   per token p50 "
-                     f"{m['per_token_ms_p50']:6.3f} ms   CPU {m['cpu_ms_per_request']:6.1f} ms "
-                     f"per request of {m['output_tokens_per_request']} tokens   "
-                     f"(n={m['samples']})")
-    added_ttft = o["gateway"]["ttft_ms_p50"] - o["single"]["ttft_ms_p50"]
-    added_token = o["gateway"]["per_token_ms_p50"] - o["single"]["per_token_ms_p50"]
-    added_cpu = o["gateway"]["cpu_ms_per_request"] - o["single"]["cpu_ms_per_request"]
-    lines.append(f"  gateway adds {added_ttft:.2f} ms TTFT p50, {added_token:.3f} ms per token, "
-                 f"{added_cpu:.1f} ms CPU per request (by process: " + ", ".join(
-                     f"{role} {ms:.1f}" for role, ms
-                     in o["gateway"]["cpu_ms_per_request_by_process"].items()) + ")")
-    lines += ["", "routing, 2 replicas:",
-              f"  {'router':<12} {'hit rate':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'tok/s':>7} "
-              f"{'requests per replica':>21}"]
-    for name, r in result["routing"].items():
-        lines.append(f"  {name:<12} {r['prefix_hit_rate']:8.1%} {r['ttft_ms_p50']:7.1f}ms "
-                     f"{r['ttft_ms_p99']:7.1f}ms {r['output_tokens_per_s']:7.1f} "
-                     f"{str(r['requests_per_replica']):>21}")
+             f"{env['cpu']['model']}), {env['cpus']} cores, load {env['load_average'][0]:.2f} "
+             f"before, {after:.2f} after"]
+    if "overhead" in result:
+        lines += ["", "overhead (WebSocket, one request at a time, speculation off):"]
+        o = result["overhead"]
+        for name in ("single", "gateway"):
+            m = o[name]
+            lines.append(f"  {name:<8} TTFT p50 {m['ttft_ms_p50']:7.2f} ms   per token p50 "
+                         f"{m['per_token_ms_p50']:6.3f} ms   CPU "
+                         f"{m['cpu_ms_per_request']:6.1f} ms per request of "
+                         f"{m['output_tokens_per_request']} tokens   (n={m['samples']})")
+        added_ttft = o["gateway"]["ttft_ms_p50"] - o["single"]["ttft_ms_p50"]
+        added_token = o["gateway"]["per_token_ms_p50"] - o["single"]["per_token_ms_p50"]
+        added_cpu = o["gateway"]["cpu_ms_per_request"] - o["single"]["cpu_ms_per_request"]
+        lines.append(f"  gateway adds {added_ttft:.2f} ms TTFT p50, {added_token:.3f} ms per "
+                     f"token, {added_cpu:.1f} ms CPU per request (by process: " + ", ".join(
+                         f"{role} {ms:.1f}" for role, ms
+                         in o["gateway"]["cpu_ms_per_request_by_process"].items()) + ")")
+    if "routing" in result:
+        lines += ["", "routing, 2 replicas:",
+                  f"  {'router':<12} {'hit rate':>8} {'TTFT p50':>9} {'TTFT p99':>9} "
+                  f"{'tok/s':>7} {'requests per replica':>21}"]
+        for name, r in result["routing"].items():
+            lines.append(f"  {name:<12} {r['prefix_hit_rate']:8.1%} {r['ttft_ms_p50']:7.1f}ms "
+                         f"{r['ttft_ms_p99']:7.1f}ms {r['output_tokens_per_s']:7.1f} "
+                         f"{str(r['requests_per_replica']):>21}")
     mem = result["memory_bytes"]
-    lines += ["", f"memory: single server {mem['single_server'] / 2**20:.0f} MiB; replicas "
-              + ", ".join(f"{b / 2**20:.0f}" for b in mem["replicas_prefix"]) + " MiB"]
+    if "single_server" in mem:
+        lines += ["", f"memory: single server {mem['single_server'] / 2**20:.0f} MiB"]
+    if "replicas_prefix" in mem:
+        lines += ["memory: replicas " + ", ".join(
+            f"{b / 2**20:.0f}" for b in mem["replicas_prefix"]) + " MiB"]
     return "\n".join(lines)
 
 
