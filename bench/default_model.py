@@ -12,6 +12,10 @@ llama.cpp peer is built (`../shared/tools/llamacpp-peer build`), a `llama.cpp` r
 GGUF file through `llama-completion` (greedy, the same threads; decode timing from its own
 eval line), interleaved with specserve's rows; `--no-llamacpp` leaves it out.
 
+`--target FILE.gguf [--draft DRAFT]` measures another model the same way instead (e.g. a
+Q4_K_M file, such as the Gemma 3 270M one): llama.cpp runs the same target file, with
+`llama-speculative` and the draft when the draft is a GGUF file too.
+
 `--turns 2` measures second turns instead: each held-out question, the target's own greedy
 reply, then a follow-up asking to restate or reuse it (where suffix drafting finds its text).
 The suffix store is emptied before every prompt, so no mode drafts from another mode's (or an
@@ -77,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--turns", type=int, choices=(1, 2), default=1,
                         help="2: second turns with the first reply in context")
     parser.add_argument("--no-llamacpp", action="store_true")
+    parser.add_argument("--target", type=Path, help="another model (default: the default model)")
+    parser.add_argument("--draft", help="its draft (a folder or GGUF file; default: none)")
     parser.add_argument("--peer", type=Path, default=PEER, help="the llama.cpp peer script")
     add_common_args(parser)
     # The model as `LLM()` loads it (float32 activations for the GGUF), unless --dtype says.
@@ -85,7 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     setup(args)
     env = environment(args.threads)
     start = time.perf_counter()
-    llm = LLM(dtype=args.dtype, enable_prefix_caching=False)
+    if args.draft is not None and args.target is None:
+        parser.error("--draft needs --target (the default model comes with its own draft)")
+    llm = LLM(args.target, args.draft, dtype=args.dtype, enable_prefix_caching=False)
     load_s = time.perf_counter() - start
     log(f"loaded in {load_s:.1f} s; default mode {llm.engine.default_mode}")
     tok = llm.tokenizer
@@ -97,9 +105,12 @@ def main(argv: list[str] | None = None) -> int:
         llm, None if name == "default" else name, args.max_tokens, args.ignore_eos))
         for name in names}
     bin_dir = None if args.no_llamacpp else peer_bin(args.peer)
-    gguf = llm.engine.config.target
+    gguf, draft = llm.engine.config.target, llm.engine.config.draft
     if bin_dir is not None and gguf.suffix == ".gguf":
         runners[LLAMA] = llamacpp_runner(bin_dir, gguf, None, tok, args.max_tokens, args.threads)
+        if args.target is not None and draft is not None and Path(draft).suffix == ".gguf":
+            runners[LLAMA + " + draft"] = llamacpp_runner(bin_dir, gguf, Path(draft), tok,
+                                                          args.max_tokens, args.threads)
     elif not args.no_llamacpp:
         log(f"  no llama.cpp row: the peer is not built ({args.peer} build) or the target is "
             "not a GGUF file")
