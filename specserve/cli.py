@@ -103,6 +103,7 @@ def run_serve(args: argparse.Namespace) -> int:
     workers = None
     try:
         engine_config = build_engine_config(**_engine_options(args))
+        cpu_path = _cpu_path(engine_config.device)  # a bad SPECSERVE_* value fails here
         # tp x pp > 1; other torchrun ranks stay in
         workers = launch_tensor_parallel(engine_config)
         core = make_engine(engine_config)
@@ -123,8 +124,9 @@ def run_serve(args: argparse.Namespace) -> int:
     if workers is not None:  # a dead rank ends the server at once instead of failing requests
         workers.on_failure(lambda message: server.exit_without_drain())
     print(f"specserve: serving {app.state.server.model_name} "
-          f"(speculation {core.default_mode}, tp {engine_config.tp}, pp {engine_config.pp}) on "
-          f"http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+          f"(speculation {core.default_mode}, tp {engine_config.tp}, pp {engine_config.pp}"
+          f"{cpu_path}) on http://{args.host}:{args.port}",
+          file=sys.stderr, flush=True)
     if hosts is None:
         print("specserve: any Host header is accepted; name the served hosts with "
               "--allowed-hosts", file=sys.stderr, flush=True)
@@ -181,7 +183,19 @@ def run_serve_cluster(args: argparse.Namespace) -> int:
                              max_request_bytes=args.max_request_bytes),
         drain_timeout_s=args.drain_timeout, prefill_replicas=args.prefill_replicas,
         kv_token=args.kv_token)
-    return serve_forever(options, args.host, args.port, args.ray_address)
+    return serve_forever(options, args.host, args.port, args.ray_address, args.log_level)
+
+
+def _cpu_path(device: str) -> str:
+    """On CPU, the kernel path and the quantized products' activation format in use (each
+    chosen by SPECSERVE_CPU_ISA / SPECSERVE_QUANT_ACT or its default), as the start-up line
+    names them; elsewhere nothing."""
+    if not str(device).startswith("cpu"):
+        return ""
+    from .kernels import cpu_build, quant_cpu
+
+    return (f", CPU kernels {cpu_build.selected_isa()}, quantized activations "
+            f"{quant_cpu.activation_format()}")
 
 
 def _model_name(args: argparse.Namespace) -> str | None:

@@ -63,3 +63,17 @@ def test_python_dash_m_is_the_same_program():
     assert out.returncode == 0
     for command in ("serve", "generate", "chat"):
         assert command in out.stdout
+
+
+def test_serve_start_line_names_the_cpu_path(monkeypatch):
+    from specserve.cli import _cpu_path
+
+    monkeypatch.setenv("SPECSERVE_CPU_ISA", "portable")
+    monkeypatch.setenv("SPECSERVE_QUANT_ACT", "q8")
+    assert _cpu_path("cpu") == ", CPU kernels portable, quantized activations q8"
+    monkeypatch.setenv("SPECSERVE_QUANT_ACT", "fp32")
+    assert _cpu_path("cpu").endswith("quantized activations fp32")
+    assert _cpu_path("cuda:0") == ""
+    monkeypatch.setenv("SPECSERVE_QUANT_ACT", "int4")
+    with pytest.raises(ValueError, match="SPECSERVE_QUANT_ACT"):
+        _cpu_path("cpu")
