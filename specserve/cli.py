@@ -78,8 +78,9 @@ def add_serve(sub) -> None:
     p.add_argument("--log-level", default="info")
     add_role_options(p)
     p.add_argument("--replicas", type=int, metavar="N",
-                   help="run N engine replicas behind a gateway on Ray Serve, the same routes "
-                   "on the same port (needs the cluster extra: pip install -e .[cluster])")
+                   help="run N engine replicas on Ray Serve behind a gateway in this process, "
+                   "the same routes on the same port (needs the cluster extra: "
+                   "pip install -e .[cluster])")
     p.add_argument("--ray-address", metavar="ADDR",
                    help="with --replicas: the Ray cluster to join ('auto': the one `ray start` "
                    "started here; default: that one, else a new local cluster)")

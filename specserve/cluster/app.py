@@ -1,15 +1,12 @@
-"""The Ray Serve application: a gateway deployment (the starlette app, through `serve.ingress`)
-in front of N engine replicas.
+"""The Ray Serve application: N engine replicas, which the gateway (`gateway.py`, in the
+`specserve serve --replicas N [--ray-address ADDR]` process) calls through a deployment handle.
 
-    specserve serve --replicas N [--ray-address ADDR]
-
-The gateway is the same app `specserve serve` runs (WebSocket, OpenAI HTTP/SSE, chat page,
-/health, /metrics), built inside the gateway's replica around a `ClusterEngine` instead of an
-`AsyncEngine`. The replicas are one deployment of N copies of `EngineReplica`, routed by
-`PrefixAffinityRouter` (or `RoundRobinRouter`, the benchmark's baseline). Ray restarts a
-replica that dies (its health check fails or its actor is gone) and the router stops choosing
-it meanwhile. With `prefill_replicas`, a third deployment prefills every prompt and the engine
-replicas decode only (`prefill_pool.py`).
+The replicas are one deployment of N copies of `EngineReplica`, routed by
+`PrefixAffinityRouter` (or `RoundRobinRouter`, the benchmark's baseline) inside the gateway's
+handle. The application has no HTTP route of its own: Serve's HTTP proxy is not started. Ray
+restarts a replica that dies (its health check fails or its actor is gone) and the router
+stops choosing it meanwhile. With `prefill_replicas`, a second deployment prefills every prompt
+and the engine replicas decode only (`prefill_pool.py`).
 """
 
 from __future__ import annotations
@@ -18,14 +15,11 @@ from dataclasses import dataclass, field
 
 from ray import serve
 from ray.serve.config import RequestRouterConfig
-from ray.serve.handle import DeploymentHandle
 
-from .gateway_engine import ClusterEngine
 from .prefill_pool import PrefillReplica
 from .replica import EngineReplica
 from .router import PrefixAffinityRouter, RoundRobinRouter
 
-GATEWAY = "gateway"
 REPLICAS = "engine"
 PREFILL = "prefill"
 ROUTERS = {"prefix": PrefixAffinityRouter, "round_robin": RoundRobinRouter}
@@ -33,7 +27,8 @@ ROUTERS = {"prefix": PrefixAffinityRouter, "round_robin": RoundRobinRouter}
 
 @dataclass(frozen=True)
 class ClusterOptions:
-    """How to build the application (every value must pickle: Ray ships it to the replicas)."""
+    """How to build the application and its gateway (every value must pickle: Ray ships the
+    engine options to the replicas)."""
 
     engine_options: dict  # build_engine_config's keyword options, the same on every replica
     num_replicas: int = 2
@@ -66,25 +61,9 @@ class ClusterOptions:
                              "drain_timeout_s >= 0")
 
 
-class Gateway:
-    """The ingress deployment: holds the replicas' handle and serves the starlette app."""
-
-    async def __init__(self, replicas: DeploymentHandle, options: ClusterOptions) -> None:
-        facts = await replicas.facts.remote()
-        self.engine = ClusterEngine(replicas, facts, options.num_replicas,
-                                    report_period_s=options.stats_period_s)
-        self.options = options
-
-    def __serve_build_asgi_app__(self):
-        # Ray Serve calls this after __init__, in the gateway's process, and runs the app's
-        # lifespan (which starts and stops the ClusterEngine) as uvicorn would.
-        from ..server import ServerLimits, create_app
-
-        limits = ServerLimits.for_engine(self.engine, **self.options.limit_overrides)
-        return create_app(self.engine, limits=limits, **self.options.app_options)
-
-
 def build_application(options: ClusterOptions) -> serve.Application:
+    """The engine replicas (and the prefill pool) as one application; its ingress is the
+    engine deployment, which `serve.run(..., route_prefix=None)` keeps off HTTP."""
     router = RequestRouterConfig(request_router_class=ROUTERS[options.routing],
                                  request_router_kwargs=options.router_options,
                                  request_routing_stats_period_s=options.stats_period_s)
@@ -97,7 +76,7 @@ def build_application(options: ClusterOptions) -> serve.Application:
             health_check_period_s=2, health_check_timeout_s=10,
             graceful_shutdown_timeout_s=options.drain_timeout_s,
         ).bind(options.engine_options, options.kv_token)
-    replicas = serve.deployment(
+    return serve.deployment(
         EngineReplica, name=REPLICAS, num_replicas=options.num_replicas,
         ray_actor_options={"num_cpus": options.cpus_per_replica},
         max_ongoing_requests=options.max_ongoing_requests,
@@ -105,11 +84,3 @@ def build_application(options: ClusterOptions) -> serve.Application:
         health_check_period_s=2, health_check_timeout_s=10,
         graceful_shutdown_timeout_s=options.drain_timeout_s,
     ).bind(options.engine_options, prefill_pool, options.kv_token)
-    gateway = serve.deployment(
-        serve.ingress()(Gateway), name=GATEWAY, num_replicas=1,
-        ray_actor_options={"num_cpus": 0},
-        # Admission control (429 / overloaded) lives in the gateway; Ray must not refuse first.
-        max_ongoing_requests=100_000,
-        graceful_shutdown_timeout_s=options.drain_timeout_s,
-    )
-    return gateway.bind(replicas, options)

@@ -5,6 +5,13 @@ It has the face the routes use (`add_request` returning a stream, `abort`, `toke
 it each request is one streaming call to the engine replicas' deployment handle. The router
 (`router.py`) picks the replica; `_pump` puts the replica's deltas on a `RemoteStream`.
 
+The call goes over Serve's direct gRPC channel to the replica (`_by_reference=False`), not
+through Ray's object store: a streamed item is then one gRPC message, where by reference each
+is a Ray object with its own ownership and reference-counting RPCs (a toy deployment
+streaming 64 items, on the 2-core bench machine at load 5: 1.1-1.4 ms against 2.9-3.6 ms from
+the replica's yield to here, and about half the CPU here). Plain pickle, not cloudpickle: every
+type that crosses is importable from this package.
+
 Faults: a replica that dies before sending anything is retried on another (nothing was
 streamed, so a second try cannot duplicate output); one that dies mid-stream ends the stream
 with an error delta naming the failure. A stream never waits on a dead replica: Ray fails the
@@ -19,6 +26,7 @@ import secrets
 import time
 from dataclasses import fields
 
+from grpc.aio import AioRpcError
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.handle import DeploymentHandle
 
@@ -34,7 +42,9 @@ from .replica import EngineFacts, Turn
 
 log = logging.getLogger("specserve.cluster")
 
-_REPLICA_GONE = (RayActorError, ActorUnavailableError)
+# A dead replica fails its calls with these: Ray's errors, or the gRPC channel's own when the
+# connection broke with a status Serve does not translate.
+_REPLICA_GONE = (RayActorError, ActorUnavailableError, AioRpcError)
 
 
 class RemoteStream(DeltaStream):
@@ -56,7 +66,9 @@ class ClusterEngine:
 
     def __init__(self, handle: DeploymentHandle, facts: EngineFacts, num_replicas: int,
                  retries: int = 2, report_period_s: float = 1.0) -> None:
-        self.handle = handle.options(stream=True)
+        self.handle = handle.options(stream=True, _by_reference=False,
+                                     request_serialization="pickle",
+                                     response_serialization="pickle")
         self.tokenizer = facts.tokenizer
         self.num_replicas = num_replicas
         self.retries = retries  # replicas tried after one died before streaming anything
@@ -79,12 +91,15 @@ class ClusterEngine:
         self._running = True
 
     async def shutdown(self) -> None:
-        """Abort every request in flight and wait until each stream has ended."""
+        """Abort every request in flight, wait until each stream has ended, and stop the
+        handle's router (it would otherwise poll Ray's controller for as long as this process
+        lives)."""
         self._running = False
         tasks = [s.task for s in self._streams.values() if s.task is not None]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await self.handle.shutdown_async()
 
     @property
     def running(self) -> bool:
@@ -213,9 +228,10 @@ class ClusterEngine:
             for attempt in range(self.retries + 1):
                 call = self.handle.generate.remote(turn)
                 try:
-                    async for delta in call:
+                    async for batch in call:  # replica.batches: one list per message
                         sent_any = True
-                        self._deliver(stream, delta)
+                        for delta in batch:
+                            self._deliver(stream, delta)
                     if self._streams.get(rid) is stream:  # no finished delta came
                         self._deliver(stream, _error(rid, "the replica's stream ended early"))
                     return

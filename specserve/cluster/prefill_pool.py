@@ -1,6 +1,6 @@
 """Prefill and decode pools on Ray Serve: `specserve serve --replicas N --prefill-replicas M`.
 
-With M > 0 the application has a third deployment, M `PrefillReplica`s, and its N engine
+With M > 0 the application has a second deployment, M `PrefillReplica`s, and its N engine
 replicas decode only: each new prompt goes to the prefill pool through its deployment handle
 (Ray picks the least-loaded prefill replica), which answers the first token and
 `kv_transfer_params`, and the engine replica pulls the KV blocks over TCP from that prefill

@@ -2,7 +2,8 @@
 KV cache and streams each turn's deltas back to the gateway.
 
 A turn crosses the process boundary as a `Turn` (token ids already prepared by the gateway) and
-comes back as the engine's own `RequestDelta`s, through Ray's streaming deployment handles.
+comes back as the engine's own `RequestDelta`s, in lists (`batches`), through a streaming
+deployment handle.
 The replica reports its load and KV pool to Ray Serve (`record_routing_stats`), which hands the
 numbers to the gateway's router and `/metrics`.
 """
@@ -18,6 +19,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from ..engine import AsyncEngine, EngineLimits, EngineStoppedError, ModelInfo
+from ..engine.async_engine import DeltaStream
 from ..outputs import RequestDelta
 from ..sampling import SamplingParams
 
@@ -70,20 +72,22 @@ class EngineReplica:
         engine = self.engine
         return EngineFacts(engine.model_info, engine.limits, engine.tokenizer)
 
-    async def generate(self, turn: Turn) -> AsyncIterator[RequestDelta]:
-        """Stream one turn's deltas; the last one's metrics name this replica as "replica"."""
+    async def generate(self, turn: Turn) -> AsyncIterator[list[RequestDelta]]:
+        """Stream one turn's deltas (`batches`); the last one's metrics name this replica as
+        "replica"."""
         try:
             stream = self.engine.add_request(turn.prompt_token_ids, turn.params,
                                              turn.request_id, turn.speculation)
         except (EngineStoppedError, ValueError) as exc:
-            yield RequestDelta(turn.request_id, [], "", finish_reason="error",
-                               error=f"replica {self.replica_id}: {exc}")
+            yield [RequestDelta(turn.request_id, [], "", finish_reason="error",
+                                error=f"replica {self.replica_id}: {exc}")]
             return
         try:
-            async for delta in stream:
-                if delta.finished:
-                    delta.metrics = {**(delta.metrics or {}), "replica": self.replica_id}
-                yield delta
+            async for batch in batches(stream):
+                last = batch[-1]
+                if last.finished:
+                    last.metrics = {**(last.metrics or {}), "replica": self.replica_id}
+                yield batch
         finally:
             # The gateway cancels this generator when its client aborts or goes away: the
             # engine frees the request's blocks before its next step.
@@ -110,6 +114,19 @@ class EngineReplica:
         engine = getattr(self, "engine", None)  # None when __init__ failed
         if engine is not None:
             await engine.shutdown()
+
+
+async def batches(stream: DeltaStream) -> AsyncIterator[list[RequestDelta]]:
+    """The stream's deltas, each list every delta ready when the last send was done: one per
+    engine step while the gateway keeps up, more when this replica's event loop or its link
+    fell behind, so a backlog costs one message instead of one per step. The same deltas in
+    the same order, ending with the finished one."""
+    while not stream.finished:
+        batch = [await stream.queue.get()]
+        while not batch[-1].finished and not stream.queue.empty():
+            batch.append(stream.queue.get_nowait())
+        stream.finished = batch[-1].finished
+        yield batch
 
 
 def resident_bytes() -> int:

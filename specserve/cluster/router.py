@@ -1,7 +1,8 @@
 """Prefix-aware routing: send a turn to the replica whose prefix cache most likely holds its
 prompt, unless that replica's queue is clearly longer than the least-loaded one's.
 
-The router runs inside the gateway's process (Ray Serve builds one per deployment handle). It
+The router runs inside the gateway's process (Ray Serve builds one per deployment handle, on
+the handle's own event loop thread). It
 keeps, per replica, the chained hashes of the full KV blocks of the prompts it sent there: the
 same block-granular keys the engine's prefix cache uses, so a match of k blocks means the
 replica computed those k blocks recently. Like SGLang's cache-aware router and Ray's
@@ -75,8 +76,9 @@ class ReportingRouter(RequestRouter):
 
     def replica_reports(self) -> dict[str, dict]:
         """Each live replica's last `record_routing_stats` report, by its full id."""
+        # A copy first: the router's loop may change the replicas while the gateway reads.
         return {rid.to_full_id_str(): replica.routing_stats
-                for rid, replica in self.curr_replicas.items()}
+                for rid, replica in dict(self.curr_replicas).items()}
 
 
 class RoundRobinRouter(ReportingRouter):

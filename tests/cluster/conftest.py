@@ -1,10 +1,14 @@
 """One local Ray cluster per test module (2 CPUs, no dashboard), serving two replicas of the
-tiny target (itself as the draft, chain:3) behind the gateway on a free port. Each replica runs
-2 requests side by side and the gateway queues 1 more: admission's cap is 2 x 2 + 1 = 5."""
+tiny target (itself as the draft, chain:3) behind the gateway, which runs in a thread of the
+test process on a free port, as `specserve serve --replicas` runs it in its main thread. Each
+replica runs 2 requests side by side and the gateway queues 1 more: admission's cap is
+2 x 2 + 1 = 5."""
 
 from __future__ import annotations
 
 import socket
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -13,6 +17,9 @@ ray = pytest.importorskip("ray", reason="the cluster extra (ray[serve]) is not i
 serve = pytest.importorskip("ray.serve")
 
 from specserve.cluster import ClusterOptions, build_application  # noqa: E402
+from specserve.cluster.gateway import gateway_server  # noqa: E402
+
+APP = "specserve"
 
 SPEC = "chain:3"
 NUM_BLOCKS = 64
@@ -35,12 +42,14 @@ class Cluster:
 
 
 def serve_cluster(tiny_target: Path, **overrides):
-    """Start the module's local Ray cluster and the application (the options below, with
-    `overrides`); yields a `Cluster`; takes the whole local cluster down after."""
+    """Start the module's local Ray cluster, the application (the options below, with
+    `overrides`) and its gateway; yields a `Cluster`; after, stops the gateway (a drain, as on
+    SIGTERM) and takes the whole local cluster down."""
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    gateway = thread = None
     try:
         port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.start(proxy_location="Disabled")
         options = dict(  # noqa: C408
             engine_options={"target": str(tiny_target), "draft": str(tiny_target),
                             "speculation": SPEC, "num_blocks": NUM_BLOCKS,
@@ -48,10 +57,20 @@ def serve_cluster(tiny_target: Path, **overrides):
             num_replicas=NUM_REPLICAS, app_options={"model_name": "tiny"},
             limit_overrides={"max_queued_requests": MAX_QUEUED},
             cpus_per_replica=0.5, stats_period_s=0.2, drain_timeout_s=2)
-        serve.run(build_application(ClusterOptions(**{**options, **overrides})),
-                  name="specserve", route_prefix="/")
+        options = ClusterOptions(**{**options, **overrides})
+        serve.run(build_application(options), name=APP, route_prefix=None)
+        gateway = gateway_server(APP, options, "127.0.0.1", port, log_level="warning")
+        thread = threading.Thread(target=gateway.run, name="gateway", daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 30
+        while not gateway.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "the gateway did not start"
+            time.sleep(0.05)
         yield Cluster(port)
     finally:
+        if thread is not None:
+            gateway.should_exit = True
+            thread.join(30)
         # The local cluster goes whole (its Serve actors with it): serve.shutdown() would first
         # wait for the replica the fault test killed to finish restarting.
         ray.shutdown()

@@ -1,4 +1,4 @@
-"""Two engine replicas behind the Ray Serve gateway: the same greedy tokens as one engine over
+"""Two engine replicas on Ray Serve behind the gateway: the same greedy tokens as one engine over
 WebSocket and SSE, prefix affinity and conversation stickiness (the replica named in the
 response metrics), the vLLM gauges on /metrics, /health and /metrics per replica, admission
 (429 / `overloaded`) over both replicas' slots, a replica killed mid-stream, and nothing left
@@ -284,7 +284,7 @@ def test_nothing_is_left_behind(cluster):
         return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                 if a["name"].startswith("SERVE_REPLICA::specserve#")]
 
-    assert len(replica_actors()) == 3  # the gateway and the two engine replicas
+    assert len(replica_actors()) == 2  # the two engine replicas (the gateway is no actor)
     serve.delete("specserve")
     deadline = time.monotonic() + 30
     while replica_actors():

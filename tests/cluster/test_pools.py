@@ -87,7 +87,7 @@ def test_nothing_is_left_behind(pools):
         return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                 if a["name"].startswith("SERVE_REPLICA::specserve#")]
 
-    assert len(replica_actors()) == 3  # the gateway, the decode replica, the prefill replica
+    assert len(replica_actors()) == 2  # the decode replica, the prefill replica
     serve.delete("specserve")
     deadline = time.monotonic() + 30
     while replica_actors():
