@@ -2,9 +2,10 @@
  * (portable C).
  *
  * y[m, n] = sum_k x[m, k] * dequant(w)[n, k] (+ bias[n])
- *   x [M, K] bf16 or fp32; w [N, ceil(K / 32)] blocks in GGUF's own byte format, the rows in
+ *   x [M, K] bf16 or fp32; w [N, ceil(K / 32)] blocks (K / 256 super-blocks for the k-quants,
+ *   whose K must be a multiple of 256) in GGUF's own byte format, the rows in
  *   one of three orders (`group`): 1, GGUF's own (row by row, so a .gguf file's Q8_0 / Q4_0 /
- *   Q4_1 rows can run as they are); ROW_GROUP: each group of ROW_GROUP consecutive rows (the
+ *   Q4_1 / Q4_K / Q6_K rows can run as they are); ROW_GROUP: each group of ROW_GROUP consecutive rows (the
  *   last may hold fewer) stored block by block, the group's rows' block 0, then their block 1,
  *   ... (quant_reference.py: QuantizedWeight.with_row_group). A thread then reads its weights
  *   as one sequential stream instead of one short stream per row of a tile: 2-core Zen 3, the
@@ -18,6 +19,17 @@
  *   Q4_0: fp16 d, uint8 q[16] (byte j: weight j in the low nibble, weight j + 16 in the high)
  *                                                         w = (q - 8) * d
  *   Q4_1: fp16 d, fp16 m, uint8 q[16] (as Q4_0)           w = q * d + m
+ * and the k-quants, super-blocks of 256 weights in sub-blocks with integer scales:
+ *   Q4_K (144 bytes): fp16 d, fp16 dmin, 12 bytes of 6-bit sc[8], m[8] (q4_k_scale_min),
+ *     128 bytes of nibbles (bytes 32c .. 32c + 31: sub-block 2c low, 2c + 1 high)
+ *                                     w = (d sc[j]) q - (dmin m[j]),  j = the 32-weight sub-block
+ *   Q6_K (210 bytes): ql[128] (4 low bits), qh[64] (2 high bits), int8 sc[16], fp16 d (k_weight)
+ *                                     w = (d sc[i / 16]) (q - 32)
+ *   d sc and dmin m are exact in fp32, so every k-quant weight is too (Q4_K: one rounding, in
+ *   the -, as the reference's). The kernels walk a k-quant row in 32-weight blocks like the
+ *   others (the activations' blocks): block b is sub-block b % 8 of super-block b / 8, with its
+ *   own d and m (Q6_K: a d per half of the block); the row orders interleave whole
+ *   super-blocks.
  *
  * Two ways to take the activations, one entry point each (specserve/kernels/quant_cpu.py picks one):
  *
@@ -35,6 +47,13 @@
  *   isum = sum xq * q   (Q4_0: sum xq * (q - 8))      exact in int32 (|isum| < 2^28)
  *   v    = (dw * dx) * isum  (Q4_1: v + m * (dx * sx))
  *   acc  = acc + v
+ * Q4_K is Q4_1's sequence with the sub-block's dw = d sc[j] and m = -(dmin m[j]) (both exact;
+ * |isum| <= 32 * 15 * 32767 < 2^24). Q6_K's two scales per block keep its halves apart:
+ *   isa, isb = sum xq * (q - 32) over weights 0..15, 16..31   each exact in fp32 (< 2^24)
+ *   v    = (da * isa + db * isb) * dx                         da, db = d sc of each half
+ *   acc  = acc + v
+ * The k-quants always take the activations as int16 (Q8 values too: their blocks are widened
+ * to int16 in every row order), so Q8 changes only the activations' rounding for them.
  * The integers are exact and the fp32 operations are the same, in the same order, on every
  * path, so every path computes the same bits, and so does the PyTorch model of these numerics
  * (quant_reference.quant_linear_int_reference); only the quantized activations differ from the
@@ -72,14 +91,29 @@
 #include "cpu_kernels.h"
 #include "cpu_simd.h"
 
-enum { FMT_Q8_0 = 0, FMT_Q4_0 = 1, FMT_Q4_1 = 2 };
+enum { FMT_Q8_0 = 0, FMT_Q4_0 = 1, FMT_Q4_1 = 2, FMT_Q4_K = 3, FMT_Q6_K = 4 };
 #define QK 32
+#define QK_K 256 /* weights per k-quant super-block */
+#define SUBS (QK_K / QK) /* 32-weight sub-blocks per super-block */
 #define GROUPS (QK / VF) /* vectors per block */
 #define MR_MAX 6
 #define ROW_GROUP 4 /* the grouped row order's group */
 #define TILE_ROWS 16 /* the tiled row order's group (integer activations only, N % 16 == 0) */
 
-static inline int block_bytes(int fmt) { return fmt == FMT_Q8_0 ? 34 : fmt == FMT_Q4_0 ? 18 : 20; }
+static inline int block_bytes(int fmt) {
+    switch (fmt) {
+        case FMT_Q8_0: return 34;
+        case FMT_Q4_0: return 18;
+        case FMT_Q4_1: return 20;
+        case FMT_Q4_K: return 144;
+        default: return 210;
+    }
+}
+static inline int is_k_quant(int fmt) { return fmt == FMT_Q4_K || fmt == FMT_Q6_K; }
+/* Bytes of one row of w: whole blocks of 32 weights, or of 256 for the k-quants. */
+static inline int64_t row_bytes_of(int fmt, int64_t nb) {
+    return (is_k_quant(fmt) ? nb / SUBS : nb) * block_bytes(fmt);
+}
 
 /* fp16 bits -> fp32, exact for every finite value (scales are finite): the bits shifted into
  * fp32 position read as 2^-112 times the value (subnormals included), and one multiply
@@ -93,11 +127,90 @@ static inline float f16_to_f32(uint16_t h) {
     return (h & 0x8000u) ? -f : f;
 }
 
-/* Scale d and offset m of a block: w = q * d + m with q unsigned for the 4-bit formats
- * (Q4_0's offset is -8 d, exact), w = q * d for Q8_0 (m unused). */
-static inline void block_scale(const uint8_t *b, int fmt, float *d, float *m) {
-    *d = f16_to_f32((uint16_t)(b[0] | (b[1] << 8)));
-    *m = fmt == FMT_Q4_1 ? f16_to_f32((uint16_t)(b[2] | (b[3] << 8))) : -8.0f * *d;
+static inline float f16_at(const uint8_t *p) { return f16_to_f32((uint16_t)(p[0] | (p[1] << 8))); }
+
+/* Q4_K's 6-bit scale sc and min m of sub-block j from its 12 packed bytes s (ggml-common.h):
+ * j < 4 in the low 6 bits of s[j] and s[j + 4]; j >= 4 a nibble of s[j + 4] (sc low, m high)
+ * and the top two bits of s[j - 4] (sc) and s[j] (m). */
+static inline void q4_k_scale_min(const uint8_t *s, int j, int *sc, int *m) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *m = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
+        *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+/* Weight i (< 256) of a k-quant super-block b as an integer: Q4_K its nibble (sub-block
+ * 2c + e: nibble e of byte 32c + i % 32), Q6_K q - 32 (i = 128 h + 32 s + l: the low 4 bits
+ * from nibble s / 2 of ql[64 h + 32 (s % 2) + l], the high 2 from bits 2s of qh[32 h + l]). */
+static inline int k_weight(const uint8_t *b, int fmt, int i) {
+    if (fmt == FMT_Q4_K) return (b[16 + 32 * (i / 64) + i % 32] >> (4 * (i / 32 % 2))) & 15;
+    const int h = i / 128, s = i / 32 % 4, l = i % 32;
+    const int low = (b[64 * h + 32 * (s % 2) + l] >> (4 * (s / 2))) & 15;
+    const int high = (b[128 + 32 * h + l] >> (2 * s)) & 3;
+    return (low | (high << 4)) - 32;
+}
+
+/* Scales and offset of 32-weight block `sub` of block b (sub > 0 only in a k-quant's
+ * super-block): w = q * d[half] + m, with q unsigned for the 4-bit formats (Q4_0's offset is
+ * -8 d, exact; Q4_K's d = d sc, m = -(dmin m), both exact), q - 32 for Q6_K (d = d sc of each
+ * half of the block, m 0), signed for Q8_0 (m unused). */
+static inline void block_scale(const uint8_t *b, int fmt, int sub, float d[2], float *m) {
+    if (fmt == FMT_Q4_K) {
+        int sc, mn;
+        q4_k_scale_min(b + 4, sub, &sc, &mn);
+        d[0] = d[1] = f16_at(b) * (float)sc;
+        *m = -(f16_at(b + 2) * (float)mn);
+    } else if (fmt == FMT_Q6_K) {
+        const float dd = f16_at(b + 208);
+        d[0] = dd * (float)(int8_t)b[192 + 2 * sub];
+        d[1] = dd * (float)(int8_t)b[193 + 2 * sub];
+        *m = 0.0f;
+    } else {
+        d[0] = d[1] = f16_at(b);
+        *m = fmt == FMT_Q4_1 ? f16_at(b + 2) : -8.0f * d[0];
+    }
+}
+
+/* Weights [VF g, VF g + VF) of 32-weight block `sub` of a k-quant super-block b as fp32 (d the
+ * scale of their half of the block: VF divides 16). Exact, as dequant's. */
+SIMD_INLINE vf dequant_k(const uint8_t *b, const int fmt, const int sub, const int g, vf d, vf m) {
+    const int l0 = VF * g; /* first weight's place in the block */
+#if defined(SPECSERVE_ISA_AVX512) || defined(SPECSERVE_ISA_AVX2)
+#if defined(SPECSERVE_ISA_AVX512)
+#define LOAD_VF_BYTES(p) _mm_loadu_si128((const __m128i *)(p))
+#else /* VF bytes only: a wider load could read past the last super-block */
+#define LOAD_VF_BYTES(p) _mm_loadl_epi64((const __m128i *)(p))
+#endif
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    __m128i q;
+    if (fmt == FMT_Q4_K) {
+        q = LOAD_VF_BYTES(b + 16 + 32 * (sub / 2) + l0);
+        q = _mm_and_si128(_mm_srl_epi16(q, _mm_cvtsi32_si128(4 * (sub % 2))), mask);
+    } else {
+        const int h = sub / 4, s = sub % 4;
+        const __m128i low = LOAD_VF_BYTES(b + 64 * h + 32 * (s % 2) + l0);
+        const __m128i high = LOAD_VF_BYTES(b + 128 + 32 * h + l0);
+        /* (high >> 2s & 3) << 4, in 16-bit lanes: no bit crosses into the next byte */
+        const __m128i top = _mm_slli_epi16(
+            _mm_and_si128(_mm_srl_epi16(high, _mm_cvtsi32_si128(2 * s)), _mm_set1_epi8(3)), 4);
+        q = _mm_or_si128(_mm_and_si128(_mm_srl_epi16(low, _mm_cvtsi32_si128(4 * (s / 2))), mask),
+                         top);
+        q = _mm_sub_epi8(q, _mm_set1_epi8(32));
+    }
+#if defined(SPECSERVE_ISA_AVX512)
+    const vf qf = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q));
+#else
+    const vf qf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
+#endif
+#undef LOAD_VF_BYTES
+#else
+    vf qf;
+    for (int j = 0; j < VF; j++) qf[j] = (float)k_weight(b, fmt, QK * sub + l0 + j);
+#endif
+    return fmt == FMT_Q4_K ? vf_fmadd(qf, d, m) : vf_mul(qf, d);
 }
 
 /* Weights [VF g, VF g + VF) of block b as fp32 (g < GROUPS). 4-bit formats: weights 0..15 are
@@ -161,13 +274,18 @@ SIMD_INLINE void micro_kernel(const int MR, const int NR, const int fmt, const f
     for (int i = 0; i < MR; i++)
 #pragma GCC unroll 4
         for (int r = 0; r < NR; r++) acc[i][r] = vf_zero();
+    const int kq = is_k_quant(fmt);
     for (int64_t blk = 0; blk < nb; blk++) {
-        vf d[4], m[4];
+        /* the block holding these 32 weights (a k-quant's super-block) and their place in it */
+        const int64_t at = kq ? blk / SUBS : blk;
+        const int sub = kq ? (int)(blk % SUBS) : 0;
+        vf d[4][2], m[4];
 #pragma GCC unroll 4
         for (int r = 0; r < NR; r++) {
-            float ds, ms;
-            block_scale(block_at(w, r, blk), fmt, &ds, &ms);
-            d[r] = vf_set1(ds);
+            float ds[2], ms;
+            block_scale(block_at(w, r, at), fmt, sub, ds, &ms);
+            d[r][0] = vf_set1(ds[0]);
+            d[r][1] = vf_set1(ds[1]);
             m[r] = vf_set1(ms);
         }
 #pragma GCC unroll 4
@@ -175,7 +293,9 @@ SIMD_INLINE void micro_kernel(const int MR, const int NR, const int fmt, const f
             const int64_t k = blk * QK + g * VF;
 #pragma GCC unroll 4
             for (int r = 0; r < NR; r++) {
-                const vf wv = dequant(block_at(w, r, blk), fmt, g, d[r], m[r]);
+                const uint8_t *b = block_at(w, r, at);
+                const vf wv = kq ? dequant_k(b, fmt, sub, g, d[r][g * VF / 16], m[r])
+                                 : dequant(b, fmt, g, d[r][0], m[r]);
 #pragma GCC unroll 8
                 for (int i = 0; i < MR; i++)
                     acc[i][r] = vf_fmadd(vf_load(x + i * kp + k), wv, acc[i][r]);
@@ -201,7 +321,9 @@ SIMD_INLINE void micro_kernel(const int MR, const int NR, const int fmt, const f
     switch (fmt) {                                            \
         case FMT_Q8_0: DISPATCH_MR(NR, FMT_Q8_0) break;       \
         case FMT_Q4_0: DISPATCH_MR(NR, FMT_Q4_0) break;       \
-        default: DISPATCH_MR(NR, FMT_Q4_1) break;             \
+        case FMT_Q4_1: DISPATCH_MR(NR, FMT_Q4_1) break;       \
+        case FMT_Q4_K: DISPATCH_MR(NR, FMT_Q4_K) break;       \
+        default: DISPATCH_MR(NR, FMT_Q6_K) break;             \
     }
 
 /* Sums of mr activation rows (fp32, row stride kp) against nr weight rows. */
@@ -285,13 +407,15 @@ static void f32_tile(const void *ctx, int64_t m0, int mr, int64_t n0, int nr,
 
 /* x [M, K] (bf16 if x_bf16, else fp32); w [N, row_bytes] GGUF blocks of format fmt, rows in
  * the order `group` names (1 or ROW_GROUP, see the header); bias [N] or NULL and y [M, N] in
- * bf16 if y_bf16, else fp32. Returns 0, -1 when the activation buffer cannot be allocated, or
- * -3 for another group (nothing written either way). */
+ * bf16 if y_bf16, else fp32. Returns 0, -1 when the activation buffer cannot be allocated, -3
+ * for another group, or -4 for a k-quant whose K is not whole super-blocks (nothing written in
+ * any case). */
 int quant_matmul(const void *x, int x_bf16, const uint8_t *w, int fmt, int group,
                  const void *bias, void *y, int y_bf16, int64_t M, int64_t N, int64_t K,
                  int num_threads) {
     if (group != 1 && group != ROW_GROUP) return -3;
-    const int64_t nb = (K + QK - 1) / QK, kp = nb * QK, row_bytes = nb * block_bytes(fmt);
+    if (is_k_quant(fmt) && K % QK_K) return -4;
+    const int64_t nb = (K + QK - 1) / QK, kp = nb * QK, row_bytes = row_bytes_of(fmt, nb);
     /* The activations in fp32, zero-padded to whole blocks: read once per weight block. */
     float *xf = aligned_alloc(64, (size_t)((M * kp * sizeof(float) + 63) / 64 * 64));
     if (!xf) return -1;
@@ -315,9 +439,39 @@ typedef struct {
     const float *s;     /* [M, nb] dx * sx (Q4_1's min term) */
     const int32_t *sum; /* [M, nb] sx = sum of the block's q */
     const uint8_t *w;
-    int fmt, act, group;
+    int fmt, act, group, wide; /* wide: q holds int16 (Q16, or Q8 values taken as int16) */
     int64_t N, kp, row_bytes, nb;
 } int_ctx;
+
+/* The portable paths' integers of 32-weight block `sub` of block b (sub > 0 only in a
+ * k-quant's super-block), as quant_reference.block_integers models them: Q8_0 signed, Q4_0
+ * q - 8, Q4_1 and Q4_K the nibble, Q6_K q - 32. */
+static inline void block_ints(const uint8_t *b, int fmt, int sub, int32_t q[QK]) {
+    const uint8_t *values = b + (fmt == FMT_Q4_1 ? 4 : 2);
+    for (int j = 0; j < QK; j++) {
+        if (is_k_quant(fmt)) {
+            q[j] = k_weight(b, fmt, QK * sub + j);
+        } else {
+            const int nibble = j < 16 ? values[j] & 0x0f : values[j - 16] >> 4;
+            q[j] = fmt == FMT_Q8_0 ? (int8_t)values[j] : fmt == FMT_Q4_0 ? nibble - 8 : nibble;
+        }
+    }
+}
+
+/* acc + v for one block pair, the header's fp32 operations in order: isa and isb the exact
+ * isums of the block's two halves, d[2] and m block_scale's, dx and s = dx * sx the
+ * activation block's. */
+static inline float block_update(int fmt, float acc, int32_t isa, int32_t isb, const float d[2],
+                                 float m, float dx, float s) {
+    float v;
+    if (fmt == FMT_Q6_K) {
+        v = (d[0] * (float)isa + d[1] * (float)isb) * dx;
+    } else {
+        v = (d[0] * dx) * (float)(isa + isb);
+        if (fmt == FMT_Q4_1 || fmt == FMT_Q4_K) v = v + m * s;
+    }
+    return acc + v;
+}
 
 /* One activation row (kp fp32 values, whole blocks) to integer blocks, as the header defines:
  * levels L = 127 (act ACT_Q8) or 32767 (ACT_Q16), stored as int16 when `wide` (always for
@@ -461,10 +615,109 @@ SIMD_INLINE __m256i block_dot16(const __m256i words[2], const int16_t *x) {
 #endif
 }
 
+/* acc + the products of int16 weights and activations, in int32 pairs (VNNI: one VPDPWSSD). */
+SIMD_INLINE __m256i word_dot(__m256i acc, __m256i w, __m256i x) {
+#if defined(SPECSERVE_ISA_AVX512)
+    return _mm256_dpwssd_epi32(acc, w, x);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(w, x));
+#endif
+}
+
+/* The 32 weights of block `sub` of a k-quant super-block b as int16 in k order (as
+ * block_words): Q4_K the nibbles, Q6_K q - 32. */
+SIMD_INLINE void k_block_words(const uint8_t *b, const int fmt, const int sub, __m256i words[2]) {
+    for (int e = 0; e < 2; e++) { /* weights 16 e .. 16 e + 15 */
+        if (fmt == FMT_Q4_K) {
+            const __m256i bytes = _mm256_cvtepu8_epi16(
+                _mm_loadu_si128((const __m128i *)(b + 16 + 32 * (sub / 2) + 16 * e)));
+            words[e] = _mm256_and_si256(_mm256_srl_epi16(bytes, _mm_cvtsi32_si128(4 * (sub % 2))),
+                                        _mm256_set1_epi16(15));
+        } else {
+            const int h = sub / 4, s = sub % 4;
+            const __m256i low = _mm256_cvtepu8_epi16(
+                _mm_loadu_si128((const __m128i *)(b + 64 * h + 32 * (s % 2) + 16 * e)));
+            const __m256i high = _mm256_cvtepu8_epi16(
+                _mm_loadu_si128((const __m128i *)(b + 128 + 32 * h + 16 * e)));
+            const __m256i q = _mm256_or_si256(
+                _mm256_and_si256(_mm256_srl_epi16(low, _mm_cvtsi32_si128(4 * (s / 2))),
+                                 _mm256_set1_epi16(15)),
+                _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(high, _mm_cvtsi32_si128(2 * s)),
+                                                   _mm256_set1_epi16(3)), 4));
+            words[e] = _mm256_sub_epi16(q, _mm256_set1_epi16(32));
+        }
+    }
+}
+
+/* int_micro_kernel for the k-quants: the activations are int16 (Q16, or Q8 taken as int16:
+ * c->wide), each 32-weight block of a super-block is widened to int16 and its scales decoded
+ * per row; Q6_K keeps the isums of the block's halves apart (one scale each). */
+SIMD_INLINE void int_k_micro_kernel(const int MR, const int NR, const int fmt, const int_ctx *c,
+                                    int64_t m0, tile_rows w, float out[MR_MAX][TILE_ROWS]) {
+    __m128 acc[MR_MAX];
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; i++) acc[i] = _mm_setzero_ps();
+    const int bb = block_bytes(fmt);
+    for (int64_t blk = 0; blk < c->nb; blk++) {
+        const int sub = (int)(blk % SUBS);
+        __m256i words[4][2];
+        float d[4][2] = {{0}}, m[4] = {0};
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; r++) {
+            if (r < NR) {
+                const uint8_t *b = block_at(w, r, blk / SUBS);
+                __builtin_prefetch(b + ROW_GROUP * c->row_bytes + sub * bb / SUBS);
+                k_block_words(b, fmt, sub, words[r]);
+                block_scale(b, fmt, sub, d[r], &m[r]);
+            } else {
+                words[r][0] = words[r][1] = _mm256_setzero_si256();
+            }
+        }
+        const __m128 dav = _mm_setr_ps(d[0][0], d[1][0], d[2][0], d[3][0]);
+        const __m128 dbv = _mm_setr_ps(d[0][1], d[1][1], d[2][1], d[3][1]);
+        const __m128 mwv = _mm_setr_ps(m[0], m[1], m[2], m[3]);
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; i++) {
+            const int64_t row = m0 + i, at = row * c->nb + blk;
+            const int16_t *xq = (const int16_t *)c->q + row * c->kp + blk * QK;
+            const __m256i x0 = _mm256_loadu_si256((const __m256i *)xq);
+            const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + 16));
+            const __m256i zero = _mm256_setzero_si256();
+            __m128 v;
+            if (fmt == FMT_Q6_K) {
+                __m256i pa[4], pb[4];
+#pragma GCC unroll 4
+                for (int r = 0; r < 4; r++) {
+                    pa[r] = word_dot(zero, words[r][0], x0);
+                    pb[r] = word_dot(zero, words[r][1], x1);
+                }
+                const __m128 fa = _mm_cvtepi32_ps(sum4(pa[0], pa[1], pa[2], pa[3]));
+                const __m128 fb = _mm_cvtepi32_ps(sum4(pb[0], pb[1], pb[2], pb[3]));
+                v = _mm_mul_ps(_mm_add_ps(_mm_mul_ps(dav, fa), _mm_mul_ps(dbv, fb)),
+                               _mm_set1_ps(c->d[at]));
+            } else {
+                __m256i p[4];
+#pragma GCC unroll 4
+                for (int r = 0; r < 4; r++) p[r] = word_dot(word_dot(zero, words[r][0], x0), words[r][1], x1);
+                const __m128i isum = sum4(p[0], p[1], p[2], p[3]);
+                v = _mm_mul_ps(_mm_mul_ps(dav, _mm_set1_ps(c->d[at])), _mm_cvtepi32_ps(isum));
+                v = _mm_add_ps(v, _mm_mul_ps(mwv, _mm_set1_ps(c->s[at])));
+            }
+            acc[i] = _mm_add_ps(acc[i], v);
+        }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; i++) _mm_storeu_ps(out[i], acc[i]);
+}
+
 /* MR activation rows x NR weight rows over all blocks: one fp32 lane per output. */
 SIMD_INLINE void int_micro_kernel(const int MR, const int NR, const int fmt, const int act,
                                   const int_ctx *c, int64_t m0, tile_rows w,
                                   float out[MR_MAX][TILE_ROWS]) {
+    if (is_k_quant(fmt)) {
+        int_k_micro_kernel(MR, NR, fmt, c, m0, w, out);
+        return;
+    }
     __m128 acc[MR_MAX];
 #pragma GCC unroll 8
     for (int i = 0; i < MR; i++) acc[i] = _mm_setzero_ps();
@@ -526,27 +779,25 @@ SIMD_INLINE void int_micro_kernel(const int MR, const int NR, const int fmt, con
 SIMD_INLINE void int_micro_kernel(const int MR, const int NR, const int fmt, const int act,
                                   const int_ctx *c, int64_t m0, tile_rows w,
                                   float out[MR_MAX][TILE_ROWS]) {
+    (void)act; /* c->wide says how the activations are stored */
+    const int kq = is_k_quant(fmt);
     float acc[MR_MAX][4] = {{0}};
     for (int64_t blk = 0; blk < c->nb; blk++) {
         for (int r = 0; r < NR; r++) {
-            const uint8_t *b = block_at(w, r, blk);
-            int32_t q[QK]; /* Q8_0 signed; 4-bit formats q - 8 (Q4_0) or q (Q4_1) */
-            for (int j = 0; j < QK; j++) {
-                const int nibble = j < 16 ? b[(fmt == FMT_Q4_1 ? 4 : 2) + j] & 0x0f
-                                          : b[(fmt == FMT_Q4_1 ? 4 : 2) + j - 16] >> 4;
-                q[j] = fmt == FMT_Q8_0 ? (int8_t)b[2 + j] : fmt == FMT_Q4_0 ? nibble - 8 : nibble;
-            }
-            const float dw = f16_to_f32((uint16_t)(b[0] | (b[1] << 8)));
-            const float mw = fmt == FMT_Q4_1 ? f16_to_f32((uint16_t)(b[2] | (b[3] << 8))) : 0.0f;
+            const uint8_t *b = block_at(w, r, kq ? blk / SUBS : blk);
+            const int sub = kq ? (int)(blk % SUBS) : 0;
+            int32_t q[QK];
+            float dw[2], mw;
+            block_ints(b, fmt, sub, q);
+            block_scale(b, fmt, sub, dw, &mw);
             for (int i = 0; i < MR; i++) {
                 const int64_t row = m0 + i, at = row * c->nb + blk, k0 = row * c->kp + blk * QK;
-                int32_t isum = 0;
+                int32_t isum[2] = {0, 0};
                 for (int j = 0; j < QK; j++)
-                    isum += q[j] * (act == ACT_Q16 ? ((const int16_t *)c->q)[k0 + j]
-                                                   : ((const int8_t *)c->q)[k0 + j]);
-                float v = (dw * c->d[at]) * (float)isum;
-                if (fmt == FMT_Q4_1) v = v + mw * c->s[at];
-                acc[i][r] = acc[i][r] + v;
+                    isum[j / 16] += q[j] * (c->wide ? ((const int16_t *)c->q)[k0 + j]
+                                                    : ((const int8_t *)c->q)[k0 + j]);
+                acc[i][r] = block_update(fmt, acc[i][r], isum[0], isum[1], dw, mw, c->d[at],
+                                         c->s[at]);
             }
         }
     }
@@ -570,8 +821,11 @@ SIMD_INLINE void int_micro_kernel(const int MR, const int NR, const int fmt, con
         case FMT_Q4_0: INT_DISPATCH_MR(NR, FMT_Q4_0, ACT) break;      \
         default: INT_DISPATCH_MR(NR, FMT_Q4_1, ACT) break;            \
     }
+/* The k-quants take int16 activations whatever act (c->wide): one instance each. */
 #define INT_DISPATCH(NR)                                                          \
-    if (c->act == ACT_Q16) INT_DISPATCH_FMT(NR, ACT_Q16) else INT_DISPATCH_FMT(NR, ACT_Q8)
+    if (c->fmt == FMT_Q4_K) INT_DISPATCH_MR(NR, FMT_Q4_K, ACT_Q16)               \
+    else if (c->fmt == FMT_Q6_K) INT_DISPATCH_MR(NR, FMT_Q6_K, ACT_Q16)          \
+    else if (c->act == ACT_Q16) INT_DISPATCH_FMT(NR, ACT_Q16) else INT_DISPATCH_FMT(NR, ACT_Q8)
 
 /* ---- the tiled row order: eight weight rows' blocks interleaved by 16-bit words ------------- */
 
@@ -688,35 +942,210 @@ SIMD_INLINE void tiled_micro_kernel(const int MR, const int NG, const int h0, co
     for (int i = 0; i < MR; i++)
         for (int h = 0; h < NG; h++) _mm256_storeu_ps(out[i] + 8 * (h0 + h), acc[i][h]);
 }
+
+/* Word w (16 bits) of the 8 rows of half h of a tiled group's block t, one int16 lane each. */
+SIMD_INLINE __m128i tiled_words(const uint8_t *t, int w, int h) {
+    return _mm_loadu_si128((const __m128i *)(t + 32 * w + 16 * h));
+}
+
+/* Q4_K, tiled: the 8 rows of half h's scale d sc (D) and offset -(dmin m) (Mn) of sub-block j
+ * as fp32 lanes (d, dmin: the rows' fp16 fields as fp32). Scale byte k of every row is byte
+ * k % 2 of word 2 + k / 2; the 6-bit fields unpack as q4_k_scale_min does. */
+SIMD_INLINE void q4_k_tiled_scales(const uint8_t *t, int h, int j, __m256 d, __m256 dmin,
+                                   __m256 *D, __m256 *Mn) {
+#define SCALE_BYTE(k) ((k) % 2 ? _mm_srli_epi16(tiled_words(t, 2 + (k) / 2, h), 8) \
+                               : _mm_and_si128(tiled_words(t, 2 + (k) / 2, h), _mm_set1_epi16(0xff)))
+    __m128i sc, m;
+    if (j < 4) {
+        sc = _mm_and_si128(SCALE_BYTE(j), _mm_set1_epi16(63));
+        m = _mm_and_si128(SCALE_BYTE(j + 4), _mm_set1_epi16(63));
+    } else {
+        const __m128i packed = SCALE_BYTE(j + 4);
+        sc = _mm_or_si128(_mm_and_si128(packed, _mm_set1_epi16(15)),
+                          _mm_slli_epi16(_mm_srli_epi16(SCALE_BYTE(j - 4), 6), 4));
+        m = _mm_or_si128(_mm_srli_epi16(packed, 4),
+                         _mm_slli_epi16(_mm_srli_epi16(SCALE_BYTE(j), 6), 4));
+    }
+#undef SCALE_BYTE
+    *D = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(sc)));
+    *Mn = _mm256_xor_ps(_mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(m))),
+                        _mm256_set1_ps(-0.0f));
+}
+
+/* Q6_K, tiled: the 8 rows of half h's d sc of 16-weight sub-block u as fp32 lanes (the int8
+ * scale: byte u % 2 of word 96 + u / 2, sign-extended). */
+SIMD_INLINE __m256 q6_k_tiled_scale(const uint8_t *t, int h, int u, __m256 d) {
+    const __m128i words = tiled_words(t, 96 + u / 2, h);
+    const __m128i sc = u % 2 ? _mm_srai_epi16(words, 8) : _mm_srai_epi16(_mm_slli_epi16(words, 8), 8);
+    return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(sc)));
+}
+
+/* The tiled order's kernel for the k-quants: MR activation rows x NG halves of a tiled group
+ * from half h0 on. Per super-block and half, the rows' fp16 fields and scales come from a few
+ * 16-byte loads (one word of 8 rows each) and are decoded in int16 lanes.
+ * Q4_K: word 8 + 16 c + j of a super-block holds bytes 2j, 2j + 1 of chunk c: weights 2j,
+ * 2j + 1 of sub-block 2c in its low nibbles and of sub-block 2c + 1 in its high nibbles, so
+ * one load feeds two blocks' products (as a Q4_1 block's low and high nibbles).
+ * Q6_K: weights 2j, 2j + 1 of the four blocks 4 hh + s (s < 4) come from three words, ql words
+ * 32 hh + j (s = 0 low nibbles, 2 high) and 32 hh + 16 + j (s = 1, 3) and qh word
+ * 64 + 16 hh + j (bits 2s): one set of loads feeds four blocks' products. The bits are picked
+ * in bytes, before widening to int16; the isums of j < 8 and j >= 8 (the halves of a block,
+ * one scale each) are kept apart. */
+SIMD_INLINE void tiled_k_micro_kernel(const int MR, const int NG, const int h0, const int fmt,
+                                      const int_ctx *c, int64_t m0, const uint8_t *group,
+                                      float out[MR_MAX][TILE_ROWS]) {
+    const int bb = block_bytes(fmt);
+    __m256 acc[MR_MAX][2];
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; i++)
+        for (int h = 0; h < NG; h++) acc[i][h] = _mm256_setzero_ps();
+    for (int64_t sb = 0; sb < c->nb / SUBS; sb++) {
+        const uint8_t *t = group + sb * TILE_ROWS * bb;
+        for (int line = 0; line < TILE_ROWS * bb; line += 64)
+            __builtin_prefetch(t + TILE_ROWS * c->row_bytes + line);
+        const int16_t *x[MR_MAX];
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; i++) x[i] = (const int16_t *)c->q + (m0 + i) * c->kp + sb * QK_K;
+        const int64_t blk0 = sb * SUBS; /* the super-block's first 32-weight block */
+        if (fmt == FMT_Q4_K) {
+            __m256 d[2], dmin[2];
+            for (int h = 0; h < NG; h++) {
+                d[h] = _mm256_cvtph_ps(tiled_words(t, 0, h0 + h));
+                dmin[h] = _mm256_cvtph_ps(tiled_words(t, 1, h0 + h));
+            }
+#pragma GCC unroll 4
+            for (int cc = 0; cc < 4; cc++) {
+                __m256i isum[MR_MAX][2][2]; /* [row][half][low / high nibbles] */
+#pragma GCC unroll 8
+                for (int i = 0; i < MR; i++)
+                    for (int h = 0; h < NG; h++) isum[i][h][0] = isum[i][h][1] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+                for (int j = 0; j < 16; j++) {
+                    __m256i low[2], high[2];
+                    for (int h = 0; h < NG; h++) {
+                        const __m256i bytes = _mm256_cvtepu8_epi16(tiled_words(t, 8 + 16 * cc + j, h0 + h));
+                        low[h] = _mm256_and_si256(bytes, _mm256_set1_epi16(0x0f));
+                        high[h] = _mm256_srli_epi16(bytes, 4);
+                    }
+#pragma GCC unroll 8
+                    for (int i = 0; i < MR; i++) {
+                        const __m256i xl = pair_at(x[i] + 64 * cc + 2 * j);
+                        const __m256i xh = pair_at(x[i] + 64 * cc + 32 + 2 * j);
+                        for (int h = 0; h < NG; h++) {
+                            isum[i][h][0] = pair_dot(isum[i][h][0], low[h], xl);
+                            isum[i][h][1] = pair_dot(isum[i][h][1], high[h], xh);
+                        }
+                    }
+                }
+#pragma GCC unroll 2
+                for (int e = 0; e < 2; e++) { /* sub-blocks 2cc, 2cc + 1 in k order */
+                    const int sub = 2 * cc + e;
+                    __m256 D[2], Mn[2];
+                    for (int h = 0; h < NG; h++)
+                        q4_k_tiled_scales(t, h0 + h, sub, d[h], dmin[h], &D[h], &Mn[h]);
+#pragma GCC unroll 8
+                    for (int i = 0; i < MR; i++) {
+                        const int64_t at = (m0 + i) * c->nb + blk0 + sub;
+                        const __m256 dx = _mm256_set1_ps(c->d[at]), sx = _mm256_set1_ps(c->s[at]);
+                        for (int h = 0; h < NG; h++) {
+                            __m256 v = _mm256_mul_ps(_mm256_mul_ps(D[h], dx),
+                                                     _mm256_cvtepi32_ps(isum[i][h][e]));
+                            v = _mm256_add_ps(v, _mm256_mul_ps(Mn[h], sx));
+                            acc[i][h] = _mm256_add_ps(acc[i][h], v);
+                        }
+                    }
+                }
+            }
+        } else {
+            __m256 d[2];
+            for (int h = 0; h < NG; h++) d[h] = _mm256_cvtph_ps(tiled_words(t, 104, h0 + h));
+#pragma GCC unroll 1
+            for (int hh = 0; hh < 2; hh++) { /* weights 128 hh ..: blocks 4 hh + s, s < 4 */
+                __m256 first[MR_MAX][2][4]; /* d sc * isum of each block's weights 0..15 */
+#pragma GCC unroll 2
+                for (int part = 0; part < 2; part++) { /* weights 16 part .. of each block */
+                    __m256i isum[MR_MAX][2][4];
+#pragma GCC unroll 8
+                    for (int i = 0; i < MR; i++)
+                        for (int h = 0; h < NG; h++)
+                            for (int s = 0; s < 4; s++) isum[i][h][s] = _mm256_setzero_si256();
+#pragma GCC unroll 2
+                    for (int j = 8 * part; j < 8 * part + 8; j++) {
+                        __m256i q[2][4];
+                        for (int h = 0; h < NG; h++) {
+                            /* ql words of blocks s = 0, 2 (A) and 1, 3 (B); qh word of all four.
+                             * In bytes: low 4 bits | high 2 bits << 4, minus 32 (the 16-bit
+                             * shifts move no kept bit across a byte). */
+                            const __m128i a = tiled_words(t, 32 * hh + j, h0 + h);
+                            const __m128i b = tiled_words(t, 32 * hh + 16 + j, h0 + h);
+                            const __m128i qh = tiled_words(t, 64 + 16 * hh + j, h0 + h);
+                            const __m128i nib = _mm_set1_epi8(15), top = _mm_set1_epi8(0x30);
+                            const __m128i bytes[4] = {
+                                _mm_or_si128(_mm_and_si128(a, nib), _mm_and_si128(_mm_slli_epi16(qh, 4), top)),
+                                _mm_or_si128(_mm_and_si128(b, nib), _mm_and_si128(_mm_slli_epi16(qh, 2), top)),
+                                _mm_or_si128(_mm_and_si128(_mm_srli_epi16(a, 4), nib), _mm_and_si128(qh, top)),
+                                _mm_or_si128(_mm_and_si128(_mm_srli_epi16(b, 4), nib),
+                                             _mm_and_si128(_mm_srli_epi16(qh, 2), top))};
+                            for (int s = 0; s < 4; s++)
+                                q[h][s] = _mm256_cvtepi8_epi16(_mm_sub_epi8(bytes[s], _mm_set1_epi8(32)));
+                        }
+#pragma GCC unroll 8
+                        for (int i = 0; i < MR; i++)
+                            for (int s = 0; s < 4; s++) {
+                                const __m256i xp = pair_at(x[i] + 128 * hh + 32 * s + 2 * j);
+                                for (int h = 0; h < NG; h++) isum[i][h][s] = pair_dot(isum[i][h][s], q[h][s], xp);
+                            }
+                    }
+                    for (int s = 0; s < 4; s++) {
+                        const int blk = 4 * hh + s;
+                        __m256 ds[2];
+                        for (int h = 0; h < NG; h++) ds[h] = q6_k_tiled_scale(t, h0 + h, 2 * blk + part, d[h]);
+#pragma GCC unroll 8
+                        for (int i = 0; i < MR; i++)
+                            for (int h = 0; h < NG; h++) {
+                                const __m256 p = _mm256_mul_ps(ds[h], _mm256_cvtepi32_ps(isum[i][h][s]));
+                                if (part == 0) {
+                                    first[i][h][s] = p;
+                                } else { /* v = (da isum_a + db isum_b) dx, blocks in k order */
+                                    const __m256 dx = _mm256_set1_ps(c->d[(m0 + i) * c->nb + blk0 + blk]);
+                                    acc[i][h] = _mm256_add_ps(acc[i][h], _mm256_mul_ps(_mm256_add_ps(first[i][h][s], p), dx));
+                                }
+                            }
+                    }
+                }
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; i++)
+        for (int h = 0; h < NG; h++) _mm256_storeu_ps(out[i] + 8 * (h0 + h), acc[i][h]);
+}
 #else
-/* Portable C: the same integers and the same fp32 operations, one output at a time. */
+/* Portable C: the same integers and the same fp32 operations, one output at a time (every
+ * format: each row's block is put back in GGUF's byte order first). */
 SIMD_INLINE void tiled_micro_kernel(const int MR, const int NG, const int h0, const int fmt,
                                     const int_ctx *c, int64_t m0, const uint8_t *group,
                                     float out[MR_MAX][TILE_ROWS]) {
-    const int bb = block_bytes(fmt), header = fmt == FMT_Q4_1 ? 4 : 2;
+    const int bb = block_bytes(fmt), subs = is_k_quant(fmt) ? SUBS : 1;
     float acc[MR_MAX][TILE_ROWS] = {{0}};
-    for (int64_t blk = 0; blk < c->nb; blk++) {
+    for (int64_t blk = 0; blk < c->nb / subs; blk++) {
         const uint8_t *t = group + blk * TILE_ROWS * bb;
         for (int r = 8 * h0; r < 8 * (h0 + NG); r++) {
-            uint8_t b[34]; /* row r's block, back in GGUF's byte order */
+            uint8_t b[210]; /* row r's block, back in GGUF's byte order */
             for (int word = 0; word < bb / 2; word++) memcpy(b + 2 * word, t + 2 * (word * TILE_ROWS + r), 2);
-            const uint8_t *values = b + header;
-            int32_t q[QK];
-            for (int j = 0; j < QK; j++) {
-                const int nibble = j < 16 ? values[j] & 0x0f : values[j - 16] >> 4;
-                q[j] = fmt == FMT_Q8_0 ? (int8_t)values[j] : nibble;
-            }
-            const float dw = f16_to_f32((uint16_t)(b[0] | (b[1] << 8)));
-            const float mw = fmt == FMT_Q4_1 ? f16_to_f32((uint16_t)(b[2] | (b[3] << 8))) : 0.0f;
-            for (int i = 0; i < MR; i++) {
-                const int64_t row = m0 + i, at = row * c->nb + blk;
-                const int16_t *x = (const int16_t *)c->q + row * c->kp + blk * QK;
-                int32_t isum = 0;
-                for (int j = 0; j < QK; j++) isum += q[j] * x[j];
-                if (fmt == FMT_Q4_0) isum -= 8 * c->sum[at];
-                float v = (dw * c->d[at]) * (float)isum;
-                if (fmt == FMT_Q4_1) v = v + mw * c->s[at];
-                acc[i][r] = acc[i][r] + v;
+            for (int sub = 0; sub < subs; sub++) {
+                int32_t q[QK];
+                float dw[2], mw;
+                block_ints(b, fmt, sub, q);
+                block_scale(b, fmt, sub, dw, &mw);
+                for (int i = 0; i < MR; i++) {
+                    const int64_t row = m0 + i, at = row * c->nb + blk * subs + sub;
+                    const int16_t *x = (const int16_t *)c->q + row * c->kp + (blk * subs + sub) * QK;
+                    int32_t isum[2] = {0, 0};
+                    for (int j = 0; j < QK; j++) isum[j / 16] += q[j] * x[j];
+                    acc[i][r] = block_update(fmt, acc[i][r], isum[0], isum[1], dw, mw, c->d[at],
+                                             c->s[at]);
+                }
             }
         }
     }
@@ -736,6 +1165,23 @@ SIMD_INLINE void tiled_micro_kernel(const int MR, const int NG, const int h0, co
         default: for (int h = 0; h < 2; h++) tiled_micro_kernel(6, 1, h, FMT, c, m0, group, out); break; \
     }
 
+#if defined(SPECSERVE_ISA_AVX512) || defined(SPECSERVE_ISA_AVX2)
+#define TILED_K tiled_k_micro_kernel
+#else
+#define TILED_K tiled_micro_kernel
+#endif
+/* k-quants: one row both halves at once; more, one half at a time (two isums per row and
+ * half stay live in the j loop). */
+#define TILED_K_DISPATCH_MR(FMT)                                                        \
+    switch (mr) {                                                                       \
+        case 1: TILED_K(1, 2, 0, FMT, c, m0, group, out); break;                        \
+        case 2: for (int h = 0; h < 2; h++) TILED_K(2, 1, h, FMT, c, m0, group, out); break; \
+        case 3: for (int h = 0; h < 2; h++) TILED_K(3, 1, h, FMT, c, m0, group, out); break; \
+        case 4: for (int h = 0; h < 2; h++) TILED_K(4, 1, h, FMT, c, m0, group, out); break; \
+        case 5: for (int h = 0; h < 2; h++) TILED_K(5, 1, h, FMT, c, m0, group, out); break; \
+        default: for (int h = 0; h < 2; h++) TILED_K(6, 1, h, FMT, c, m0, group, out); break; \
+    }
+
 static void tiled_tile(const void *ctx, int64_t m0, int mr, int64_t n0, int nr,
                        float out[MR_MAX][TILE_ROWS]) {
     (void)nr; /* always TILE_ROWS: the order needs N % TILE_ROWS == 0 */
@@ -744,7 +1190,9 @@ static void tiled_tile(const void *ctx, int64_t m0, int mr, int64_t n0, int nr,
     switch (c->fmt) {
         case FMT_Q8_0: TILED_DISPATCH_MR(FMT_Q8_0) break;
         case FMT_Q4_0: TILED_DISPATCH_MR(FMT_Q4_0) break;
-        default: TILED_DISPATCH_MR(FMT_Q4_1) break;
+        case FMT_Q4_1: TILED_DISPATCH_MR(FMT_Q4_1) break;
+        case FMT_Q4_K: TILED_K_DISPATCH_MR(FMT_Q4_K) break;
+        default: TILED_K_DISPATCH_MR(FMT_Q6_K) break;
     }
 }
 
@@ -763,14 +1211,18 @@ static void int_tile(const void *ctx, int64_t m0, int mr, int64_t n0, int nr,
 /* As quant_matmul, with the activations quantized to integer blocks of act bits (ACT_Q8 or
  * ACT_Q16, see the header); group may also be TILE_ROWS (the tiled order) when N is a
  * multiple of it. Returns 0, -1 when the activation buffers cannot be allocated, -2 for another
- * act, or -3 for another group (nothing written in any case). */
+ * act, -3 for another group, or -4 for a k-quant whose K is not whole super-blocks (nothing
+ * written in any case). */
 int quant_matmul_int(const void *x, int x_bf16, const uint8_t *w, int fmt, int group,
                      const void *bias, void *y, int y_bf16, int64_t M, int64_t N, int64_t K,
                      int act, int num_threads) {
     if (act != ACT_Q8 && act != ACT_Q16) return -2;
     if (group != 1 && group != ROW_GROUP && !(group == TILE_ROWS && N % TILE_ROWS == 0)) return -3;
-    const int wide = act == ACT_Q16 || group == TILE_ROWS, q_width = wide ? 2 : 1;
-    const int64_t nb = (K + QK - 1) / QK, kp = nb * QK, row_bytes = nb * block_bytes(fmt);
+    if (is_k_quant(fmt) && K % QK_K) return -4;
+    /* int16 activations for Q16, and for Q8 where the kernel multiplies int16 pairs: the tiled
+     * order and the k-quants (whose blocks are widened to int16 in every order) */
+    const int wide = act == ACT_Q16 || group == TILE_ROWS || is_k_quant(fmt), q_width = wide ? 2 : 1;
+    const int64_t nb = (K + QK - 1) / QK, kp = nb * QK, row_bytes = row_bytes_of(fmt, nb);
     /* One allocation: q [M, kp] int8 or int16, then d, s [M, nb] fp32 and sum [M, nb] int32,
      * then one fp32 row of scratch; every part starts 64-byte aligned. */
     const size_t q_bytes = (size_t)((M * kp * q_width + 63) / 64 * 64);
@@ -786,7 +1238,7 @@ int quant_matmul_int(const void *x, int x_bf16, const uint8_t *w, int fmt, int g
         quantize_row(xf, nb, act, wide, buf + i * kp * q_width, d + i * nb, s + i * nb,
                      sum + i * nb);
     }
-    const int_ctx ctx = {buf, d, s, sum, w, fmt, act, group, N, kp, row_bytes, nb};
+    const int_ctx ctx = {buf, d, s, sum, w, fmt, act, group, wide, N, kp, row_bytes, nb};
     if (group == TILE_ROWS) run_tiles(tiled_tile, &ctx, TILE_ROWS, bias, y, y_bf16, M, N, num_threads);
     else run_tiles(int_tile, &ctx, 4, bias, y, y_bf16, M, N, num_threads);
     free(buf);

