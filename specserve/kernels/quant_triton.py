@@ -1,8 +1,11 @@
 """Weight-only quantized matmul on CUDA (Triton): y = x @ dequantize(w).T (+ bias).
 
 w stays in GGUF's block layout (quant_reference.py): each program loads a [BLOCK_N, 32] tile of
-one block column, decodes the fp16 scale (and min) from its bytes, dequantizes in registers and
-multiplies it into a [BLOCK_M, BLOCK_N] fp32 accumulator with `tl.dot` in full fp32 precision.
+one block column (for Q4_K / Q6_K, one 32-weight sub-block of a 256-weight super-block),
+decodes its scales from the block's bytes (fp16 scale and min; a k-quant's fp16 super-block
+scale times its sub-block's integer scale), dequantizes in registers (every weight exact, as the
+reference's) and multiplies it into a [BLOCK_M, BLOCK_N] fp32 accumulator with `tl.dot` in full
+fp32 precision.
 Decode steps have few rows, so every row shares one read of the weights. Reference:
 `quant_linear_reference`; tested under TRITON_INTERPRET=1 and compiled for sm_90 ahead of time.
 """
@@ -29,7 +32,7 @@ def _fp16_at(ptr):
 def _quant_matmul_kernel(
     x_ptr, w_ptr, bias_ptr, y_ptr,
     M, N, K, stride_xm, stride_ym, row_bytes,
-    FMT: tl.constexpr,  # 0 Q8_0, 1 Q4_0, 2 Q4_1
+    FMT: tl.constexpr,  # 0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q4_K, 4 Q6_K
     BLOCK_BYTES: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -45,21 +48,11 @@ def _quant_matmul_kernel(
     rows = w_ptr + offs_n.to(tl.int64)[:, None] * row_bytes  # [BLOCK_N, 1] byte pointers
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for blk in range(0, tl.cdiv(K, 32)):
-        block = rows + blk * BLOCK_BYTES  # [BLOCK_N, 1]
         nb_ok = n_ok[:, None]
-        d = tl.where(nb_ok, _fp16_at(block), 0.0)  # [BLOCK_N, 1]
-        if FMT == 0:
-            q = tl.load(block + 2 + j[None, :], mask=nb_ok, other=0)  # [BLOCK_N, 32] uint8
-            w = q.to(tl.int8, bitcast=True).to(tl.float32) * d
+        if FMT >= 3:
+            w = _k_quant_block(rows + (blk // 8) * BLOCK_BYTES, blk % 8, j, nb_ok, FMT)
         else:
-            # Weights 0..15: low nibbles of the 16 value bytes; 16..31: their high nibbles.
-            header = 2 if FMT == 1 else 4
-            byte = tl.load(block + header + (j % 16)[None, :], mask=nb_ok, other=0)
-            q = tl.where(j[None, :] < 16, byte & 15, byte >> 4).to(tl.float32)
-            if FMT == 1:
-                w = (q - 8.0) * d
-            else:
-                w = q * d + tl.where(nb_ok, _fp16_at(block + 2), 0.0)
+            w = _block(rows + blk * BLOCK_BYTES, j, nb_ok, FMT)
         k = blk * 32 + j  # [32]
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :],
                     mask=m_ok[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
@@ -68,6 +61,57 @@ def _quant_matmul_kernel(
         acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     y = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _block(block, j, nb_ok, FMT: tl.constexpr):
+    """Block pointers [BLOCK_N, 1] of Q8_0 / Q4_0 / Q4_1 -> their weights [BLOCK_N, 32] fp32."""
+    d = tl.where(nb_ok, _fp16_at(block), 0.0)  # [BLOCK_N, 1]
+    if FMT == 0:
+        q = tl.load(block + 2 + j[None, :], mask=nb_ok, other=0)  # [BLOCK_N, 32] uint8
+        w = q.to(tl.int8, bitcast=True).to(tl.float32) * d
+    else:
+        # Weights 0..15: low nibbles of the 16 value bytes; 16..31: their high nibbles.
+        header = 2 if FMT == 1 else 4
+        byte = tl.load(block + header + (j % 16)[None, :], mask=nb_ok, other=0)
+        q = tl.where(j[None, :] < 16, byte & 15, byte >> 4).to(tl.float32)
+        if FMT == 1:
+            w = (q - 8.0) * d
+        else:
+            w = q * d + tl.where(nb_ok, _fp16_at(block + 2), 0.0)
+    return w
+
+
+@triton.jit
+def _k_quant_block(sb, sub, j, nb_ok, FMT: tl.constexpr):
+    """Super-block pointers [BLOCK_N, 1] of Q4_K / Q6_K and a sub-block index (< 8) -> the
+    sub-block's 32 weights [BLOCK_N, 32] fp32 (layouts: quant_reference.py)."""
+    if FMT == 3:
+        # Q4_K: 6-bit scale and min of sub-block `sub` from the 12 packed bytes at sb + 4.
+        lo = sub % 4
+        a = tl.load(sb + 4 + lo, mask=nb_ok, other=0).to(tl.int32)  # sc low bits / top bits
+        b = tl.load(sb + 8 + lo, mask=nb_ok, other=0).to(tl.int32)  # m low bits / top bits
+        c = tl.load(sb + 12 + lo, mask=nb_ok, other=0).to(tl.int32)  # sub >= 4: the nibbles
+        first = sub < 4
+        sc = tl.where(first, a & 63, (c & 15) | ((a >> 6) << 4))
+        mn = tl.where(first, b & 63, (c >> 4) | ((b >> 6) << 4))
+        scale = tl.where(nb_ok, _fp16_at(sb), 0.0) * sc.to(tl.float32)  # [BLOCK_N, 1], exact
+        offset = tl.where(nb_ok, _fp16_at(sb + 2), 0.0) * mn.to(tl.float32)  # exact
+        byte = tl.load(sb + 16 + 32 * (sub // 2) + j[None, :], mask=nb_ok, other=0)
+        q = ((byte >> (4 * (sub % 2))) & 15).to(tl.float32)  # [BLOCK_N, 32]
+        w = scale * q - offset
+    else:
+        # Q6_K: weight 32 sub + j = 128 h + 32 s + j; one int8 scale per 16 weights.
+        h = sub // 4
+        s = sub % 4
+        low = tl.load(sb + 64 * h + 32 * (s % 2) + j[None, :], mask=nb_ok, other=0)
+        high = tl.load(sb + 128 + 32 * h + j[None, :], mask=nb_ok, other=0)
+        q = (((low >> (4 * (s // 2))) & 15) | (((high >> (2 * s)) & 3) << 4)).to(tl.int32) - 32
+        sc = tl.load(sb + 192 + 2 * sub + j[None, :] // 16, mask=nb_ok, other=0)
+        d = tl.where(nb_ok, _fp16_at(sb + 208), 0.0)  # [BLOCK_N, 1]
+        scale = d * sc.to(tl.int8, bitcast=True).to(tl.float32)  # [BLOCK_N, 32], exact
+        w = scale * q.to(tl.float32)  # exact
+    return w
 
 
 def quant_matmul_triton(x: torch.Tensor, qweight: QuantizedWeight,

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-CASES = [f"{fmt}-{dtype}-bias{bias}" for fmt in ("Q8_0", "Q4_0", "Q4_1")
+CASES = [f"{fmt}-{dtype}-bias{bias}" for fmt in ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
          for dtype in ("bf16", "fp32") for bias in (0, 1)]
 
 
