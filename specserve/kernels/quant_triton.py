@@ -87,14 +87,19 @@ def _k_quant_block(sb, sub, j, nb_ok, FMT: tl.constexpr):
     """Super-block pointers [BLOCK_N, 1] of Q4_K / Q6_K and a sub-block index (< 8) -> the
     sub-block's 32 weights [BLOCK_N, 32] fp32 (layouts: quant_reference.py)."""
     if FMT == 3:
-        # Q4_K: 6-bit scale and min of sub-block `sub` from the 12 packed bytes at sb + 4.
-        lo = sub % 4
-        a = tl.load(sb + 4 + lo, mask=nb_ok, other=0).to(tl.int32)  # sc low bits / top bits
-        b = tl.load(sb + 8 + lo, mask=nb_ok, other=0).to(tl.int32)  # m low bits / top bits
-        c = tl.load(sb + 12 + lo, mask=nb_ok, other=0).to(tl.int32)  # sub >= 4: the nibbles
+        # Q4_K: 6-bit scale and min of sub-block `sub` from the 12 packed bytes at sb + 4:
+        # sub < 4 the low 6 bits of bytes sub and sub + 4; sub >= 4 the nibbles of byte
+        # sub + 4 and the top two bits of bytes sub - 4 and sub. The choice is made on scalars
+        # (offsets, shifts, masks), so each is one expression over the rows.
         first = sub < 4
-        sc = tl.where(first, a & 63, (c & 15) | ((a >> 6) << 4))
-        mn = tl.where(first, b & 63, (c >> 4) | ((b >> 6) << 4))
+        low_mask = tl.where(first, 63, 15)
+        top_mask = tl.where(first, 0, 0x30)
+        s_low = tl.load(sb + 4 + tl.where(first, sub, sub + 4), mask=nb_ok, other=0).to(tl.int32)
+        s_top = tl.load(sb + 4 + tl.where(first, sub, sub - 4), mask=nb_ok, other=0).to(tl.int32)
+        m_low = tl.load(sb + 8 + sub, mask=nb_ok, other=0).to(tl.int32)  # byte sub + 4
+        m_top = tl.load(sb + 4 + sub, mask=nb_ok, other=0).to(tl.int32)  # byte sub
+        sc = (s_low & low_mask) | (((s_top >> 6) << 4) & top_mask)  # [BLOCK_N, 1]
+        mn = ((m_low >> tl.where(first, 0, 4)) & low_mask) | (((m_top >> 6) << 4) & top_mask)
         scale = tl.where(nb_ok, _fp16_at(sb), 0.0) * sc.to(tl.float32)  # [BLOCK_N, 1], exact
         offset = tl.where(nb_ok, _fp16_at(sb + 2), 0.0) * mn.to(tl.float32)  # exact
         byte = tl.load(sb + 16 + 32 * (sub // 2) + j[None, :], mask=nb_ok, other=0)
