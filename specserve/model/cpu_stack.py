@@ -23,7 +23,7 @@ from torch import nn
 from ..kernels import cpu_decoder
 from ..kernels.cpu_decoder import DecoderStack, LayerWeights, Projection
 from .attention import AttentionMetadata
-from .quant import QuantizedLinear
+from .quant import QuantizedLinear, QuantizedParts
 
 
 def run_layers(model: nn.Module, x: torch.Tensor, positions: torch.Tensor,
@@ -57,6 +57,8 @@ def forget(model: nn.Module) -> None:
 
 def _stack(model: nn.Module, dtype: torch.dtype) -> DecoderStack | None:
     stacks = model.__dict__.setdefault("_cpu_stacks", {})
+    if dtype not in stacks and any(isinstance(m, QuantizedParts) for m in model.modules()):
+        stacks[dtype] = None  # a projection of several products: not one C linear
     if dtype not in stacks:
         layers = [_layer_weights(layer) for layer in model.layers]
         attn = model.layers[0].self_attn

@@ -6,9 +6,10 @@ metadata, and every tensor as a `GGUFTensor` keyed by its Hugging Face parameter
 (`model.layers.0.self_attn.q_proj.weight`, ...), so `loader.py` routes them exactly as it routes
 safetensors.
 
-Block types the kernels do not run (k-quants, Q5_0, Q5_1) are converted while reading into the
-nearest one they do (gguf_convert.py); `read_gguf(path, convert=False)` keeps the file's own
-types, for a reference dequantized from them. Gemma 3's norm weights are read as stored:
+Q8_0, Q4_0, Q4_1, Q4_K and Q6_K blocks are kept as stored (the kernels run them); the other
+block types (Q5_K, Q3_K, Q2_K, Q5_0, Q5_1) are converted while reading into the nearest one the
+kernels run (gguf_convert.py); `read_gguf(path, convert=False)` keeps the file's own types, for
+a reference dequantized from them. Gemma 3's norm weights are read as stored:
 llama.cpp's converter stores 1 + w, the multiplier our RMSNorm applies.
 
 A `GGUFTensor` keeps the file's own blocks (`raw`, uint8 `[rows, bytes_per_row]`, rows = output
@@ -49,6 +50,7 @@ from .gguf_convert import CONVERSIONS, convert
 NATIVE_TYPES = frozenset({
     GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16,
     GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1,
+    GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K,
 })
 SUPPORTED_TYPES = NATIVE_TYPES | frozenset(CONVERSIONS)
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",

@@ -11,10 +11,12 @@ decide every greedy token.
 
 The GGUF names (`q8_0`, `q4_0`, `q4_1`) are accepted too, for one exact format.
 
-`use_file_blocks` does the same for a GGUF checkpoint's own Q8_0 / Q4_0 / Q4_1 tensors: their
-blocks are the kernels' format, so they run as stored, with no re-quantization (on the CPU their
-rows are regrouped once at load, the same bytes in the order the kernel streams them:
-QuantizedLinear). A quantized LM
+`use_file_blocks` does the same for a GGUF checkpoint's own Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K
+tensors: their blocks are the kernels' format, so they run as stored, with no re-quantization
+(on the CPU their rows are regrouped once at load, the same bytes in the order the kernel
+streams them: QuantizedLinear). A fused projection whose parts the file stores in different
+types (a Q4_K_M file's q/k in Q4_K or Q5_0 beside a v in Q6_K or Q8_0) runs one product per
+part on its own blocks, the outputs concatenated (`QuantizedParts`). A quantized LM
 head in the file computes the logits on its blocks too: the file holds no other values for it
 (the dense head is their exact dequantization), and they are a quarter of fp32's bytes.
 """
@@ -31,7 +33,6 @@ from ..distributed import WHOLE, TPShard, all_reduce_sum
 from ..kernels.quant import quant_linear
 from ..kernels.quant_cpu import cpu_row_order
 from ..kernels.quant_reference import (
-    BLOCK,
     FORMATS,
     QuantizedWeight,
     quant_format,
@@ -89,6 +90,23 @@ class QuantizedLinear(nn.Module):
         return f"in_features={k}, out_features={n}, format={self.qweight.fmt.name}"
 
 
+class QuantizedParts(nn.Module):
+    """A column-parallel fused projection whose parts have different block formats: one
+    QuantizedLinear per part, y = the parts' outputs concatenated ([..., sum of their N]).
+    Each part's product is its kernel's alone, so the bits are those of the part run by
+    itself (and a row's output still does not depend on the rows beside it)."""
+
+    def __init__(self, parts: list[QuantizedLinear]) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.parts], dim=-1)
+
+    def extra_repr(self) -> str:
+        return "formats=" + "+".join(p.qweight.fmt.name for p in self.parts)
+
+
 def _row_group(qweight: QuantizedWeight) -> int:
     """The row order the kernel on qweight's device reads: the C kernel's choice on the CPU,
     GGUF's own (the Triton kernel's) elsewhere."""
@@ -131,41 +149,67 @@ def use_file_blocks(model: nn.Module, tensors: Mapping) -> list[str]:
     """Run every linear whose checkpoint weights all have one of `FORMATS` on the file's blocks.
 
     tensors: Hugging Face name -> a GGUF tensor with `ggml_type`, `shape` (out, in) and `raw`
-    (uint8 [out, bytes per row], the file's blocks). A linear whose parts differ in type, or
-    have another type, keeps the dequantized weight it was loaded with. Under tensor
-    parallelism each linear takes this rank's part of the blocks: its rows of each fused part
-    (column-parallel) or its whole blocks of input columns (row-parallel, split on block
-    boundaries: see loader). The LM head (the embedding when tied) computes its logits on the
-    file's blocks too, its rows of this rank's vocabulary. Returns the names of the modules
-    replaced or given file blocks.
+    (uint8 [out, bytes per row], the file's blocks). A fused linear whose parts differ in type
+    runs one product per part (QuantizedParts); a linear with a part of another type keeps the
+    dequantized weight it was loaded with. Under tensor parallelism each linear takes this
+    rank's part of the blocks: its rows of each fused part (column-parallel) or its whole
+    blocks of input columns (row-parallel, split on block boundaries: see loader; a k-quant
+    whose 256-weight super-blocks the split would cut keeps the dequantized weight). The LM
+    head (the embedding when tied) computes its logits on the file's blocks too, its rows of
+    this rank's vocabulary. Returns the names of the modules replaced or given file blocks.
     """
     replaced = _use_file_head(model, tensors)
     for layer in range(len(model.layers)):
         for ours, parts in _FUSED_PARTS.items():
             found = [tensors.get(f"model.layers.{layer}.{part}.weight") for part in parts]
-            types = {t.ggml_type.name for t in found if t is not None}
-            if None in found or len(types) != 1 or next(iter(types)) not in FORMATS:
+            if None in found or any(t.ggml_type.name not in FORMATS for t in found):
                 continue
-            fmt = FORMATS[next(iter(types))]
             name = f"layers.{layer}.{ours}"
             module = model.get_submodule(name)
-            if isinstance(module, RowParallelLinear):  # [out, this rank's blocks of columns]
-                cols = module.cols
-                first, end = cols.start // BLOCK, -(-(cols.start + cols.size) // BLOCK)
-                raw = [t.raw[:, first * fmt.block_bytes:end * fmt.block_bytes] for t in found]
-                shape = (found[0].shape[0], cols.size)
-            else:  # [this rank's rows of each part, in]
-                raw = [t.raw[r.start:r.start + r.size] for t, r in zip(found, module.ranges)]
-                shape = (sum(r.size for r in module.ranges), found[0].shape[1])
-            blocks = torch.from_numpy(np.ascontiguousarray(np.concatenate(raw)))
-            bias = getattr(module, "bias", None)
-            quantized = QuantizedLinear(QuantizedWeight(fmt, blocks, shape),
-                                        None if bias is None else bias.data,
-                                        _reduce_shard(module))
+            quantized = _file_linear(module, found)
+            if quantized is None:
+                continue
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent), child, quantized)
             replaced.append(name)
     return replaced
+
+
+def _file_linear(module: nn.Module, found: list) -> nn.Module | None:
+    """The quantized form of one linear from its checkpoint parts' file blocks (this rank's
+    share), or None where the blocks cannot be split as tensor parallelism splits it."""
+    bias = getattr(module, "bias", None)
+    bias = None if bias is None else bias.data
+    if isinstance(module, RowParallelLinear):  # one part: [out, this rank's blocks of columns]
+        (tensor,) = found
+        fmt, cols = FORMATS[tensor.ggml_type.name], module.cols
+        width = fmt.block_weights
+        if fmt.is_k_quant and (cols.start % width or cols.size % width):
+            return None
+        first, end = cols.start // width, -(-(cols.start + cols.size) // width)
+        raw = tensor.raw[:, first * fmt.block_bytes:end * fmt.block_bytes]
+        blocks = torch.from_numpy(np.array(raw))  # a copy, off the file's read-only map
+        return QuantizedLinear(QuantizedWeight(fmt, blocks, (tensor.shape[0], cols.size)), bias,
+                               _reduce_shard(module))
+    # Column-parallel: [this rank's rows of each part, in]; parts of one format are one weight.
+    rows = [t.raw[r.start:r.start + r.size] for t, r in zip(found, module.ranges)]
+    sizes = [r.size for r in module.ranges]
+    formats = [FORMATS[t.ggml_type.name] for t in found]
+    runs = []  # (format, [first part, end part)): consecutive parts of one format
+    for i, fmt in enumerate(formats):
+        if runs and runs[-1][0] == fmt:
+            runs[-1][2] = i + 1
+        else:
+            runs.append([fmt, i, i + 1])
+    linears, row = [], 0
+    for fmt, start, end in runs:
+        n = sum(sizes[start:end])
+        blocks = torch.from_numpy(np.ascontiguousarray(np.concatenate(rows[start:end])))
+        part_bias = None if bias is None else bias[row:row + n]
+        linears.append(QuantizedLinear(QuantizedWeight(fmt, blocks, (n, found[0].shape[1])),
+                                       part_bias, _reduce_shard(module)))
+        row += n
+    return linears[0] if len(linears) == 1 else QuantizedParts(linears)
 
 
 def _use_file_head(model: nn.Module, tensors: Mapping) -> list[str]:

@@ -232,3 +232,76 @@ def test_gguf_head_computes_logits_on_the_file_blocks(tmp_path, tied, fmt):
         got = model.compute_logits(hidden)  # [5, vocab]
         assert torch.equal(got, quant_linear(hidden, qw))
         torch.testing.assert_close(got, hidden @ dequantize(qw).T, rtol=1e-4, atol=1e-4)
+
+
+def _k_quant_tensors(path, types: dict[str, str]) -> dict:
+    """The checkpoint's linear weights as GGUF tensors, each projection (q_proj, v_proj,
+    down_proj, ...) in the type `types` names, Q4_K by default."""
+    from types import SimpleNamespace
+
+    from gguf import GGMLQuantizationType
+    from safetensors.torch import load_file
+
+    from specserve.kernels.quant_reference import quantize
+
+    tensors = {}
+    for name, w in load_file(str(path / "model.safetensors")).items():
+        if name.endswith("proj.weight"):
+            fmt = types.get(name.split(".")[-2], "Q4_K")
+            tensors[name] = SimpleNamespace(ggml_type=GGMLQuantizationType[fmt],
+                                            shape=tuple(w.shape),
+                                            raw=quantize(w, fmt).blocks.numpy())
+    return tensors
+
+
+@pytest.fixture(scope="module")
+def wide_target(tmp_path_factory):
+    """A tiny llama whose widths are whole k-quant super-blocks (256)."""
+    return save_model(tmp_path_factory.mktemp("wide"), "llama", seed=8, hidden_size=256,
+                      intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
+
+
+def test_gguf_k_quants_and_mixed_parts_run_on_their_blocks(wide_target, monkeypatch):
+    """A Q4_K_M-like file (Q4_K projections, v and down in Q6_K): every projection runs on the
+    file's blocks, q/k/v as one product per format (QuantizedParts), and with fp32 activations
+    the logits are those of the dequantized weights but for the order of fp32 sums."""
+    from specserve.kernels.quant import quant_linear
+    from specserve.kernels.quant_reference import dequantize
+    from specserve.model.quant import QuantizedParts, use_file_blocks
+
+    monkeypatch.setenv("SPECSERVE_QUANT_ACT", "fp32")
+    tensors = _k_quant_tensors(wide_target, {"v_proj": "Q6_K", "down_proj": "Q6_K"})
+    ids = list(range(3, 30))
+    model = load_model(wide_target, dtype="float32")
+    replaced = use_file_blocks(model, tensors)
+    assert len(replaced) == 2 * 4
+    qkv = model.get_submodule("layers.0.self_attn.qkv_proj")
+    assert isinstance(qkv, QuantizedParts)
+    assert [p.qweight.fmt.name for p in qkv.parts] == ["Q4_K", "Q6_K"]  # q and k fused: one product
+    assert model.get_submodule("layers.1.mlp.down_proj").qweight.fmt.name == "Q6_K"
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(qkv(x), torch.cat([quant_linear(x, p.qweight) for p in qkv.parts], -1))
+    # The same model with dense weights holding the blocks' exact values, in the fused rows'
+    # order (q, k, v): what the parts' concatenated outputs must match.
+    dense = load_model(wide_target, dtype="float32")
+    for name in replaced:
+        module = model.get_submodule(name)
+        parts = module.parts if isinstance(module, QuantizedParts) else [module]
+        dense.get_submodule(name).weight.data.copy_(torch.cat([dequantize(p.qweight)
+                                                                for p in parts]))
+    torch.testing.assert_close(_logits(model, ids), _logits(dense, ids), rtol=1e-4, atol=1e-4)
+
+
+def test_gguf_k_quant_split_inside_a_super_block_keeps_the_loaded_weight(wide_target):
+    """Tensor parallelism at 2 ranks gives o_proj's rank 128 input columns: a Q4_K super-block
+    (256) would be cut, so that linear keeps its dequantized weight; the others (down_proj: 256
+    columns a rank) run on blocks."""
+    from specserve.distributed import TPShard
+    from specserve.model.parallel import RowParallelLinear
+    from specserve.model.quant import use_file_blocks
+
+    model = load_model(wide_target, dtype="float32", shard=TPShard(1, 2))
+    replaced = use_file_blocks(model, _k_quant_tensors(wide_target, {}))
+    assert "layers.0.self_attn.o_proj" not in replaced
+    assert isinstance(model.get_submodule("layers.0.self_attn.o_proj"), RowParallelLinear)
+    assert "layers.0.self_attn.qkv_proj" in replaced and "layers.0.mlp.down_proj" in replaced
