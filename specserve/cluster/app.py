@@ -23,6 +23,14 @@ from .router import PrefixAffinityRouter, RoundRobinRouter
 REPLICAS = "engine"
 PREFILL = "prefill"
 ROUTERS = {"prefix": PrefixAffinityRouter, "round_robin": RoundRobinRouter}
+# No access log line per call: the gateway's own log has the requests, and each line would be
+# written by the replica, shipped by Ray's log monitor and printed by the gateway's process.
+LOGGING = {"enable_access_log": False}
+# Each replica's methods run on its own event loop, not a thread of their own: one thread hop
+# less per call and per streamed message (a toy deployment at load 5 on the 2-core bench
+# machine: 1.2-1.45 ms against 1.4-1.85 ms from the replica's yield to the gateway). Nothing
+# of ours blocks that loop once a replica has started: its engine steps in a thread.
+RUNTIME_ENV = {"env_vars": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}}
 
 
 @dataclass(frozen=True)
@@ -71,16 +79,17 @@ def build_application(options: ClusterOptions) -> serve.Application:
     if options.prefill_replicas:
         prefill_pool = serve.deployment(
             PrefillReplica, name=PREFILL, num_replicas=options.prefill_replicas,
-            ray_actor_options={"num_cpus": options.cpus_per_replica},
+            ray_actor_options={"num_cpus": options.cpus_per_replica,
+                               "runtime_env": RUNTIME_ENV},
             max_ongoing_requests=options.max_ongoing_requests,
             health_check_period_s=2, health_check_timeout_s=10,
-            graceful_shutdown_timeout_s=options.drain_timeout_s,
+            graceful_shutdown_timeout_s=options.drain_timeout_s, logging_config=LOGGING,
         ).bind(options.engine_options, options.kv_token)
     return serve.deployment(
         EngineReplica, name=REPLICAS, num_replicas=options.num_replicas,
-        ray_actor_options={"num_cpus": options.cpus_per_replica},
+        ray_actor_options={"num_cpus": options.cpus_per_replica, "runtime_env": RUNTIME_ENV},
         max_ongoing_requests=options.max_ongoing_requests,
         request_router_config=router,
         health_check_period_s=2, health_check_timeout_s=10,
-        graceful_shutdown_timeout_s=options.drain_timeout_s,
+        graceful_shutdown_timeout_s=options.drain_timeout_s, logging_config=LOGGING,
     ).bind(options.engine_options, prefill_pool, options.kv_token)
