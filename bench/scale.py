@@ -8,10 +8,13 @@ replicas, what the gateway costs against the single-process server, and memory p
 One run, up to three parts (`--parts`: overhead, routing; memory comes with whichever runs);
 Ray starts locally, and every engine runs on one torch thread:
 - overhead: `specserve serve` in a child process and one engine replica behind the gateway
-  (Ray Serve's proxy -> the gateway's starlette app -> the replica through a streaming handle)
-  are up at once and measured in alternating blocks over WebSocket, one request at a time:
-  TTFT p50 and per-token time ((e2e - TTFT) / (tokens - 1)) of one short prompt, speculation
-  off (one token per event). The difference is what the two extra hops cost.
+  (the gateway's starlette app in a child process, as `specserve serve --replicas` runs it ->
+  the replica through a streaming handle) are up at once and measured in alternating blocks
+  over WebSocket, one request at a time: TTFT p50 and per-token time ((e2e - TTFT) /
+  (tokens - 1)) of one short prompt, speculation off (one token per event), the engine's own
+  TTFT (from its request's arrival to its first token: what the engine's process adds, apart
+  from the path to it and back), and each serving process's CPU per request. The difference is
+  what the hop through Ray costs.
 - routing: a fresh 2-replica application per router (each starts with cold caches), the same
   workload on each: conversations sharing one system prompt, each a WebSocket session of
   `--turns` turns whose messages carry the whole history (canned assistant replies, so both
@@ -23,7 +26,8 @@ Ray starts locally, and every engine runs on one torch thread:
 What 2 cores can show: which router keeps the caches warm (the hit rate, and the prompt compute
 it saves in TTFT), and the gateway's added latency per request and per token. What they cannot:
 throughput growing with replicas (both replicas share the two cores with the gateway, Ray's
-proxy and this client, so tokens/s cannot double), or hops between machines (all on loopback).
+own processes and this client, so tokens/s cannot double), or hops between machines (all on
+loopback).
 A multi-machine run needs a replica per machine (`ray start --head`, `ray start --address`),
 the client on a machine of its own, and enough conversations at once to load every replica.
 """
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
 import statistics
@@ -46,7 +51,7 @@ import httpx
 from bench.options import add_json, environment, log, write_json
 from bench.serve import BenchConfig, Chat, RequestRecord, WebSocketBackend, percentile
 
-APP = "scale"
+APP = "specserve"  # the application `specserve serve --replicas` runs (cluster/launch.py)
 PARTS = ("overhead", "routing")
 BLOCK = 10  # overhead samples alternate between the two servers in blocks of this many
 SYSTEM = ("You are the support assistant of a company that sells and repairs bicycles. Answer "
@@ -64,6 +69,7 @@ WORDS = ("brake chain wheel tyre saddle pedal battery motor gear frame light bel
 class TurnRecord(RequestRecord):
     cached_tokens: int = 0  # prompt tokens the replica found in its prefix cache
     replica: str | None = None
+    engine_ttft_s: float = 0.0  # the engine's own, from its arrival to its first token
 
 
 class Backend(WebSocketBackend):
@@ -76,6 +82,7 @@ class Backend(WebSocketBackend):
         metrics = done.get("metrics") or {}
         record.cached_tokens = metrics.get("num_prefix_cached_tokens", 0)
         record.replica = metrics.get("replica")
+        record.engine_ttft_s = metrics.get("ttft_ms", 0.0) / 1e3
 
 
 def question(conversation: int, turn: int) -> str:
@@ -174,6 +181,8 @@ async def overhead(servers: dict[str, tuple[str, dict[str, int]]],
         cpu_ms = {role: max(0.0, spent - idle[name][role] * busy_s[name]) * 1e3 / len(records)
                   for role, spent in busy[name].items()}
         out[name] = {"ttft_ms_p50": statistics.median(r.ttft_s * 1e3 for r in records),
+                     "engine_ttft_ms_p50": statistics.median(r.engine_ttft_s * 1e3
+                                                             for r in records),
                      "per_token_ms_p50": statistics.median(r.tpot_s * 1e3 for r in records),
                      "cpu_ms_per_request": sum(cpu_ms.values()),
                      "cpu_ms_per_request_by_process": cpu_ms,
@@ -200,28 +209,28 @@ def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
     return out
 
 
-def serve_processes() -> dict[str, int]:
-    """The Serve processes of a 1-replica application, by role, found by their command line
-    (Ray names a process after its actor's class)."""
-    titles = {"engine": f"ServeReplica:{APP}:engine", "gateway": f"ServeReplica:{APP}:gateway",
-              "proxy": "ProxyActor"}
-    found: dict[str, list[int]] = {role: [] for role in titles}
+def serve_processes(gateway: subprocess.Popen) -> dict[str, int]:
+    """The processes of a 1-replica application, by role: the engine replica (Ray names its
+    process after its actor) and the gateway process."""
+    found = []
     for proc in Path("/proc").iterdir():
         try:
             cmdline = (proc / "cmdline").read_bytes().decode(errors="replace")
         except OSError:
             continue
-        for role, title in titles.items():
-            if proc.name.isdigit() and title in cmdline:
-                found[role].append(int(proc.name))
-    if any(len(pids) != 1 for pids in found.values()):
-        raise RuntimeError(f"expected one process per Serve role, found {found}")
-    return {role: pids[0] for role, pids in found.items()}
+        if proc.name.isdigit() and f"ServeReplica:{APP}:engine" in cmdline:
+            found.append(int(proc.name))
+    if len(found) != 1:
+        raise RuntimeError(f"expected one engine replica process, found {found}")
+    return {"engine": found[0], "gateway": gateway.pid}
 
 
 # ---- servers ------------------------------------------------------------------------------
-def wait_healthy(http: str, deadline: float, replicas: int | None = None) -> dict:
+def wait_healthy(http: str, deadline: float, replicas: int | None = None,
+                 proc: subprocess.Popen | None = None) -> dict:
     while True:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{http}'s process exited {proc.returncode}")
         try:
             response = httpx.get(f"{http}/health", timeout=5)
             body = response.json()
@@ -249,18 +258,42 @@ def resident_bytes(pid: int) -> int:
     return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def deploy(args: argparse.Namespace, http: str, replicas: int, routing: str) -> dict:
-    from ray import serve
+class Gateway:
+    """`replicas` engine replicas and their gateway, started as `specserve serve --replicas`
+    starts them (cluster/launch.py's serve_forever) in a child process that joins this
+    benchmark's Ray cluster; `stop` drains and deletes them as SIGTERM does."""
 
-    from specserve.cluster import ClusterOptions, build_application
+    def __init__(self, args: argparse.Namespace, address: str, port: int, replicas: int,
+                 routing: str) -> None:
+        spec = {"address": address, "port": port, "replicas": replicas, "routing": routing,
+                "engine_options": {"target": args.target_path, "draft": args.draft_path,
+                                   "speculation": args.speculation}}
+        self.http = f"http://127.0.0.1:{port}"
+        self.log = Path(f"/tmp/bench-scale-gateway-{port}.log")
+        with self.log.open("w") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", "import sys; from bench.scale import gateway_main; "
+                 "sys.exit(gateway_main(sys.argv[1]))", json.dumps(spec)],
+                stdout=subprocess.DEVNULL, stderr=err)
+        self.health = wait_healthy(self.http, time.monotonic() + 180, replicas, self.proc)
 
+    def stop(self) -> None:
+        self.proc.terminate()
+        if self.proc.wait(60) != 0:
+            raise RuntimeError(f"the gateway exited {self.proc.returncode}: see {self.log}")
+
+
+def gateway_main(spec: str) -> int:
+    """The gateway process of `Gateway`: the benchmark's options for `serve_forever`."""
+    from specserve.cluster import ClusterOptions
+    from specserve.cluster.launch import serve_forever
+
+    spec = json.loads(spec)
     options = ClusterOptions(
-        engine_options={"target": args.target_path, "draft": args.draft_path,
-                        "speculation": args.speculation},
-        num_replicas=replicas, app_options={"model_name": "bench"}, routing=routing,
-        cpus_per_replica=1.0, stats_period_s=0.5, drain_timeout_s=2)
-    serve.run(build_application(options), name=APP, route_prefix="/")
-    return wait_healthy(http, time.monotonic() + 120, replicas)
+        engine_options=spec["engine_options"], num_replicas=spec["replicas"],
+        app_options={"model_name": "bench"}, routing=spec["routing"], cpus_per_replica=1.0,
+        stats_period_s=0.5, drain_timeout_s=2)
+    return serve_forever(options, "127.0.0.1", spec["port"], spec["address"], "warning")
 
 
 def free_port() -> int:
@@ -299,7 +332,6 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         p.error("the scale benchmark runs a target with its draft (--draft)")
 
     import ray
-    from ray import serve
 
     single_port, gateway_port = free_port(), free_port()
     log_path = Path(f"/tmp/bench-scale-single-{single_port}.log")
@@ -308,37 +340,40 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     os.environ["OMP_NUM_THREADS"] = "1"  # the replicas inherit it: one torch thread each
     result: dict = {"environment": environment(1), "args": {
         k: v for k, v in vars(args).items() if k not in ("json",)}}
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    address = ray.init(num_cpus=2, include_dashboard=False,
+                       log_to_driver=False).address_info["address"]
+    gateway = None
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": gateway_port})
-        gateway = f"http://127.0.0.1:{gateway_port}"
         result["memory_bytes"] = {}
         if "overhead" in args.parts:
             wait_healthy(f"http://127.0.0.1:{single_port}", time.monotonic() + 120)
-            deploy(args, gateway, 1, "prefix")
+            gateway = Gateway(args, address, gateway_port, 1, "prefix")
             log("overhead: single-process server against one replica behind the gateway")
             result["overhead"] = asyncio.run(overhead(
                 {"single": (f"ws://127.0.0.1:{single_port}", {"server": single.pid}),
-                 "gateway": (f"ws://127.0.0.1:{gateway_port}", serve_processes())}, args))
+                 "gateway": (f"ws://127.0.0.1:{gateway_port}", serve_processes(gateway.proc))},
+                args))
             result["memory_bytes"]["single_server"] = resident_bytes(single.pid)
-            serve.delete(APP)
+            result["memory_bytes"]["gateway"] = resident_bytes(gateway.proc.pid)
+            gateway.stop()
         single.terminate()
         if "routing" in args.parts:
             result["routing"] = {}
             for routing in ("prefix", "round_robin"):
-                deploy(args, gateway, 2, routing)
+                gateway = Gateway(args, address, gateway_port, 2, routing)
                 log(f"routing: {routing}, {args.conversations} conversations x {args.turns} "
                     f"turns")
                 records, wall = asyncio.run(workload(f"ws://127.0.0.1:{gateway_port}", args))
                 result["routing"][routing] = routing_summary(records, wall)
-                health = wait_healthy(gateway, time.monotonic() + 30, 2)
+                health = wait_healthy(gateway.http, time.monotonic() + 30, 2)
                 result["memory_bytes"][f"replicas_{routing}"] = sorted(
                     r["memory_bytes"] for r in health["replicas"])
-                serve.delete(APP)
+                gateway.stop()
         result["load_average_after"] = os.getloadavg()
     finally:
-        if single.poll() is None:
-            single.kill()
+        for proc in (single, gateway.proc if gateway is not None else None):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
         ray.shutdown()
     print(report(result))
     write_json(args, result)
@@ -356,7 +391,8 @@ def report(result: dict) -> str:
         o = result["overhead"]
         for name in ("single", "gateway"):
             m = o[name]
-            lines.append(f"  {name:<8} TTFT p50 {m['ttft_ms_p50']:7.2f} ms   per token p50 "
+            lines.append(f"  {name:<8} TTFT p50 {m['ttft_ms_p50']:7.2f} ms (engine's own "
+                         f"{m['engine_ttft_ms_p50']:6.2f})   per token p50 "
                          f"{m['per_token_ms_p50']:6.3f} ms   CPU "
                          f"{m['cpu_ms_per_request']:6.1f} ms per request of "
                          f"{m['output_tokens_per_request']} tokens   (n={m['samples']})")
@@ -377,7 +413,8 @@ def report(result: dict) -> str:
                          f"{str(r['requests_per_replica']):>21}")
     mem = result["memory_bytes"]
     if "single_server" in mem:
-        lines += ["", f"memory: single server {mem['single_server'] / 2**20:.0f} MiB"]
+        lines += ["", f"memory: single server {mem['single_server'] / 2**20:.0f} MiB, gateway "
+                  f"process {mem['gateway'] / 2**20:.0f} MiB"]
     if "replicas_prefix" in mem:
         lines += ["memory: replicas " + ", ".join(
             f"{b / 2**20:.0f}" for b in mem["replicas_prefix"]) + " MiB"]
