@@ -163,12 +163,12 @@ def quantize(weight: torch.Tensor, fmt: str | QuantFormat) -> QuantizedWeight:
 
     fmt = quant_format(fmt) if isinstance(fmt, str) else fmt
     n, k = weight.shape
-    padded = F.pad(weight.detach().float().cpu(), (0, -k % fmt.block_weights))  # [N, Kp]
     if fmt.is_k_quant:
         if k % QK_K:
             raise ValueError(f"{fmt.name} needs K a multiple of {QK_K}, got {n}x{k}")
-        blocks = _quantize_k(padded.numpy(), fmt.name)
+        blocks = _quantize_k(weight.detach().float().cpu().numpy(), fmt.name)
     else:
+        padded = F.pad(weight.detach().float().cpu(), (0, -k % BLOCK))  # [N, Kp]
         blocks = gguf_quantize(padded.numpy(), GGMLQuantizationType[fmt.name])
     return QuantizedWeight(fmt, torch.from_numpy(np.ascontiguousarray(blocks)), (n, k))
 
@@ -201,15 +201,21 @@ def _quantize_k(w: np.ndarray, name: str) -> np.ndarray:
     step = d.astype(np.float32)[:, None] * sc  # [S, 16]
     q = np.clip(np.rint(np.divide(x, step[..., None], out=np.zeros_like(x),
                                   where=step[..., None] != 0)), -32, 31)
-    q = (q + 32).astype(np.uint8).reshape(-1, 2, 4, 32)  # [S, h, s, l]
-    out = np.empty((x.shape[0], 210), dtype=np.uint8)
+    return pack_q6_k(q.astype(np.int8).reshape(-1, 256), sc.astype(np.int8), d).reshape(n, -1)
+
+
+def pack_q6_k(q: np.ndarray, sc: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """Q6_K super-blocks [S, 210] uint8 from q - 32 int8 [S, 256] (in [-32, 31]), the int8
+    scales sc [S, 16] and d float16 [S] (w = d sc[i / 16] q[i])."""
+    q = (q.astype(np.int16) + 32).astype(np.uint8).reshape(-1, 2, 4, 32)  # [S, h, s, l]
+    out = np.empty((q.shape[0], 210), dtype=np.uint8)
     out[:, :128] = (q[:, :, 0:2] & 15 | (q[:, :, 2:4] & 15) << 4).reshape(-1, 128)
     high = q >> 4  # [S, h, s, l]
     out[:, 128:192] = (high[:, :, 0] | high[:, :, 1] << 2 | high[:, :, 2] << 4
                        | high[:, :, 3] << 6).reshape(-1, 64)
-    out[:, 192:208] = sc.astype(np.int8).view(np.uint8)
-    out[:, 208:210] = d[:, None].view(np.uint8)
-    return out.reshape(n, -1)
+    out[:, 192:208] = sc.view(np.uint8)
+    out[:, 208:210] = d.astype(np.float16)[:, None].view(np.uint8)
+    return out
 
 
 def _safe_round(x: np.ndarray, step: np.ndarray, top: int) -> np.ndarray:
@@ -235,7 +241,7 @@ def _fp16(b: torch.Tensor) -> torch.Tensor:
     return b.contiguous().view(torch.float16).float()
 
 
-def q4_k_scales_mins(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _q4_k_scales_mins(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Q4_K super-blocks [..., 144] uint8 -> (sc, m) int32 [..., 8], the 6-bit scales and mins."""
     b = blocks[..., 4:16].int()  # [..., 12]
     sc = torch.cat([b[..., 0:4] & 63, (b[..., 8:12] & 15) | (b[..., 0:4] >> 6) << 4], dim=-1)
@@ -249,7 +255,7 @@ def _k_integers(fmt: QuantFormat, blocks: torch.Tensor
     [N, S * 8]) per 32-weight sub-block: w = q * d[half] + m exactly (see block_integers)."""
     n, s = blocks.shape[:2]
     if fmt.name == "Q4_K":
-        sc, mins = q4_k_scales_mins(blocks)  # [N, S, 8] each
+        sc, mins = _q4_k_scales_mins(blocks)  # [N, S, 8] each
         big = _fp16(blocks[..., 0:2]) * sc.float()  # [N, S, 8]: d sc, exact
         small = _fp16(blocks[..., 2:4]) * mins.float()  # [N, S, 8]: dmin m, exact
         qs = blocks[..., 16:].reshape(n, s, 4, 1, 32).int()  # [N, S, chunk, 1, byte]
