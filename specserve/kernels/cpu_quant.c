@@ -986,11 +986,12 @@ SIMD_INLINE __m256 q6_k_tiled_scale(const uint8_t *t, int h, int u, __m256 d) {
  * Q4_K: word 8 + 16 c + j of a super-block holds bytes 2j, 2j + 1 of chunk c: weights 2j,
  * 2j + 1 of sub-block 2c in its low nibbles and of sub-block 2c + 1 in its high nibbles, so
  * one load feeds two blocks' products (as a Q4_1 block's low and high nibbles).
- * Q6_K: weights 2j, 2j + 1 of the four blocks 4 hh + s (s < 4) come from three words, ql words
- * 32 hh + j (s = 0 low nibbles, 2 high) and 32 hh + 16 + j (s = 1, 3) and qh word
- * 64 + 16 hh + j (bits 2s): one set of loads feeds four blocks' products. The bits are picked
- * in bytes, before widening to int16; the isums of j < 8 and j >= 8 (the halves of a block,
- * one scale each) are kept apart. */
+ * Q6_K: weights 2j, 2j + 1 of blocks 4 hh + p and 4 hh + p + 2 (p < 2) come from two words,
+ * ql word 32 hh + 16 p + j (low nibbles: block p, high: p + 2) and qh word 64 + 16 hh + j
+ * (bits 2s of block s): one pair of loads feeds two blocks' products, with two isums per row
+ * and half live (few registers, so up to MR_MAX rows). The bits are picked in bytes, before
+ * widening to int16; the isums of j < 8 and j >= 8 (the halves of a block, one scale each) are
+ * kept apart, and the four blocks' v are added to acc in k order. */
 SIMD_INLINE void tiled_k_micro_kernel(const int MR, const int NG, const int h0, const int fmt,
                                       const int_ctx *c, int64_t m0, const uint8_t *group,
                                       float out[MR_MAX][TILE_ROWS]) {
@@ -1062,57 +1063,64 @@ SIMD_INLINE void tiled_k_micro_kernel(const int MR, const int NG, const int h0, 
 #pragma GCC unroll 1
             for (int hh = 0; hh < 2; hh++) { /* weights 128 hh ..: blocks 4 hh + s, s < 4 */
                 __m256 first[MR_MAX][2][4]; /* d sc * isum of each block's weights 0..15 */
+                __m256 v[MR_MAX][2][4];     /* each block's v, added to acc in k order below */
 #pragma GCC unroll 2
-                for (int part = 0; part < 2; part++) { /* weights 16 part .. of each block */
-                    __m256i isum[MR_MAX][2][4];
-#pragma GCC unroll 8
-                    for (int i = 0; i < MR; i++)
-                        for (int h = 0; h < NG; h++)
-                            for (int s = 0; s < 4; s++) isum[i][h][s] = _mm256_setzero_si256();
+                for (int p = 0; p < 2; p++) { /* blocks s = p (low nibbles) and p + 2 (high) */
 #pragma GCC unroll 2
-                    for (int j = 8 * part; j < 8 * part + 8; j++) {
-                        __m256i q[2][4];
-                        for (int h = 0; h < NG; h++) {
-                            /* ql words of blocks s = 0, 2 (A) and 1, 3 (B); qh word of all four.
-                             * In bytes: low 4 bits | high 2 bits << 4, minus 32 (the 16-bit
-                             * shifts move no kept bit across a byte). */
-                            const __m128i a = tiled_words(t, 32 * hh + j, h0 + h);
-                            const __m128i b = tiled_words(t, 32 * hh + 16 + j, h0 + h);
-                            const __m128i qh = tiled_words(t, 64 + 16 * hh + j, h0 + h);
-                            const __m128i nib = _mm_set1_epi8(15), top = _mm_set1_epi8(0x30);
-                            const __m128i bytes[4] = {
-                                _mm_or_si128(_mm_and_si128(a, nib), _mm_and_si128(_mm_slli_epi16(qh, 4), top)),
-                                _mm_or_si128(_mm_and_si128(b, nib), _mm_and_si128(_mm_slli_epi16(qh, 2), top)),
-                                _mm_or_si128(_mm_and_si128(_mm_srli_epi16(a, 4), nib), _mm_and_si128(qh, top)),
-                                _mm_or_si128(_mm_and_si128(_mm_srli_epi16(b, 4), nib),
-                                             _mm_and_si128(_mm_srli_epi16(qh, 2), top))};
-                            for (int s = 0; s < 4; s++)
-                                q[h][s] = _mm256_cvtepi8_epi16(_mm_sub_epi8(bytes[s], _mm_set1_epi8(32)));
-                        }
+                    for (int part = 0; part < 2; part++) { /* weights 16 part .. of a block */
+                        __m256i isum[MR_MAX][2][2]; /* [row][half][block p, p + 2] */
 #pragma GCC unroll 8
                         for (int i = 0; i < MR; i++)
-                            for (int s = 0; s < 4; s++) {
-                                const __m256i xp = pair_at(x[i] + 128 * hh + 32 * s + 2 * j);
-                                for (int h = 0; h < NG; h++) isum[i][h][s] = pair_dot(isum[i][h][s], q[h][s], xp);
-                            }
-                    }
-                    for (int s = 0; s < 4; s++) {
-                        const int blk = 4 * hh + s;
-                        __m256 ds[2];
-                        for (int h = 0; h < NG; h++) ds[h] = q6_k_tiled_scale(t, h0 + h, 2 * blk + part, d[h]);
-#pragma GCC unroll 8
-                        for (int i = 0; i < MR; i++)
+                            for (int h = 0; h < NG; h++) isum[i][h][0] = isum[i][h][1] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+                        for (int j = 8 * part; j < 8 * part + 8; j++) {
+                            __m256i q[2][2];
                             for (int h = 0; h < NG; h++) {
-                                const __m256 p = _mm256_mul_ps(ds[h], _mm256_cvtepi32_ps(isum[i][h][s]));
-                                if (part == 0) {
-                                    first[i][h][s] = p;
-                                } else { /* v = (da isum_a + db isum_b) dx, blocks in k order */
-                                    const __m256 dx = _mm256_set1_ps(c->d[(m0 + i) * c->nb + blk0 + blk]);
-                                    acc[i][h] = _mm256_add_ps(acc[i][h], _mm256_mul_ps(_mm256_add_ps(first[i][h][s], p), dx));
-                                }
+                                /* ql word 32 hh + 16 p + j, qh word 64 + 16 hh + j (bits 2s).
+                                 * In bytes: low 4 bits | high 2 bits << 4, minus 32 (the
+                                 * 16-bit shifts move no kept bit across a byte). */
+                                const __m128i ql = tiled_words(t, 32 * hh + 16 * p + j, h0 + h);
+                                const __m128i qh = tiled_words(t, 64 + 16 * hh + j, h0 + h);
+                                const __m128i nib = _mm_set1_epi8(15), top = _mm_set1_epi8(0x30);
+                                const __m128i lo = _mm_or_si128(
+                                    _mm_and_si128(ql, nib),
+                                    _mm_and_si128(p ? _mm_slli_epi16(qh, 2) : _mm_slli_epi16(qh, 4), top));
+                                const __m128i hi = _mm_or_si128(
+                                    _mm_and_si128(_mm_srli_epi16(ql, 4), nib),
+                                    _mm_and_si128(p ? _mm_srli_epi16(qh, 2) : qh, top));
+                                q[h][0] = _mm256_cvtepi8_epi16(_mm_sub_epi8(lo, _mm_set1_epi8(32)));
+                                q[h][1] = _mm256_cvtepi8_epi16(_mm_sub_epi8(hi, _mm_set1_epi8(32)));
                             }
+#pragma GCC unroll 8
+                            for (int i = 0; i < MR; i++)
+                                for (int e = 0; e < 2; e++) {
+                                    const __m256i xp = pair_at(x[i] + 128 * hh + 32 * (p + 2 * e) + 2 * j);
+                                    for (int h = 0; h < NG; h++)
+                                        isum[i][h][e] = pair_dot(isum[i][h][e], q[h][e], xp);
+                                }
+                        }
+                        for (int e = 0; e < 2; e++) {
+                            const int s = p + 2 * e, blk = 4 * hh + s;
+                            __m256 ds[2];
+                            for (int h = 0; h < NG; h++) ds[h] = q6_k_tiled_scale(t, h0 + h, 2 * blk + part, d[h]);
+#pragma GCC unroll 8
+                            for (int i = 0; i < MR; i++)
+                                for (int h = 0; h < NG; h++) {
+                                    const __m256 prod = _mm256_mul_ps(ds[h], _mm256_cvtepi32_ps(isum[i][h][e]));
+                                    if (part == 0) {
+                                        first[i][h][s] = prod;
+                                    } else { /* v = (da isum_a + db isum_b) dx */
+                                        const __m256 dx = _mm256_set1_ps(c->d[(m0 + i) * c->nb + blk0 + blk]);
+                                        v[i][h][s] = _mm256_mul_ps(_mm256_add_ps(first[i][h][s], prod), dx);
+                                    }
+                                }
+                        }
                     }
                 }
+#pragma GCC unroll 8
+                for (int i = 0; i < MR; i++)
+                    for (int h = 0; h < NG; h++)
+                        for (int s = 0; s < 4; s++) acc[i][h] = _mm256_add_ps(acc[i][h], v[i][h][s]);
             }
         }
     }
