@@ -19,16 +19,19 @@ Kernels (`--skip-kernels` to leave out): the CPU's arithmetic ceilings, then two
 (specserve/kernels/cpu_ceiling.c): fp32 FMAs and int16 multiply-adds per second on every thread.
 Row scaling: one decoder layer's projections of the widened shape (qkv 1280x1024, o 1024x1024,
 gate/up 8192x1024, down 1024x4096), 24 copies so the weights come from memory, timed for
-`--kernel-rows` activation rows (1, 5, 8, 16, 32): Q8_0, Q4_0 and Q4_1 on the C kernel of the
-selected ISA with Q16, Q8 and fp32 activations (SPECSERVE_QUANT_ACT,
+`--kernel-rows` activation rows (1, 5, 8, 16, 32): Q8_0, Q4_0, Q4_1, Q4_K and Q6_K (the
+k-quants from quant_reference's own quantizer: the kernel's speed does not depend on the values)
+on the C kernel of the selected ISA with Q16, Q8 and fp32 activations (SPECSERVE_QUANT_ACT,
 specserve/kernels/quant_cpu.py), the blocks in the row order a model on the CPU keeps them
 (tiled for integer activations), Q16 also in the grouped order and Q8_0 / Q16 row by row (GGUF's
 order, "by row"), bf16 on `kernels.linear`; ms per pass over all 24 layers, the cost of M rows
-relative to one row, and the multiply-adds per second as a share of the ceiling of the
-instruction the kernel is built on. Shapes: each projection of the
+relative to one row, the weight bytes read per second, GFLOP/s (2 per multiply-add), and the
+multiply-adds per second as a share of the ceiling of the instruction the kernel is built on.
+Shapes: each projection of the
 widened target and of SmolLM2-135M alone, M = 1 and 5, weights cycled from memory: time per
 product, weight bytes read per second and that as a share of torch.sum's read bandwidth (the
-memory bound), for Q8_0 / Q4_0 / Q4_1 with each activation format, fp32 torch and bf16.
+memory bound), for Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K with each activation format (the k-quants
+where K is whole super-blocks of 256), fp32 torch and bf16.
 
 Quality, on the demo target (the widened one computes the same function): mean next-token NLL
 (nats) over the model card's held-out windows (32 chat + 32 code windows of 256 tokens from the
@@ -122,7 +125,8 @@ KERNEL_SHAPES = [("widened qkv", 1280, 1024), ("widened o", 1024, 1024),
                  ("SmolLM2 qkv", 960, 576), ("SmolLM2 o", 576, 576),
                  ("SmolLM2 gate_up", 3072, 576), ("SmolLM2 down", 576, 1536)]
 ACTS = ("q16", "q8", "fp32")  # the C kernel's activation formats (quant_cpu.ACTIVATIONS)
-QUANT_KINDS = [(fmt, act) for fmt in ("Q8_0", "Q4_0", "Q4_1") for act in ACTS]
+KERNEL_FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+QUANT_KINDS = [(fmt, act) for fmt in KERNEL_FORMATS for act in ACTS]
 
 
 def _quant_fn(act: str):
@@ -132,12 +136,12 @@ def _quant_fn(act: str):
 
 
 def measure_kernels(rows: tuple[int, ...] = (1, 5, 8, 16, 32), layers: int = 24,
-                    repeats: int = 5) -> dict[str, dict[int, float]]:
+                    repeats: int = 5) -> tuple[dict[str, dict[int, float]], dict[str, int]]:
     """ms per pass over `layers` copies of LAYER_SHAPES, per weight kind and row count
-    (kinds interleaved, best of `repeats`). Quantized weights in the row order a model on the
-    CPU keeps for the activation format (quant_cpu.cpu_row_order: tiled for integer
-    activations), Q16 also in the grouped order ("grouped"), and Q8_0 / Q16 in GGUF's row by
-    row order ("by row")."""
+    (kinds interleaved, best of `repeats`), and each kind's weight bytes per pass. Quantized
+    weights in the row order a model on the CPU keeps for the activation format
+    (quant_cpu.cpu_row_order: tiled for integer activations), Q16 also in the grouped order
+    ("grouped"), and Q8_0 / Q16 in GGUF's row by row order ("by row")."""
     from specserve.kernels import linear
     from specserve.kernels.quant_cpu import cpu_row_order
     from specserve.kernels.quant_reference import ROW_GROUP, quantize
@@ -146,7 +150,7 @@ def measure_kernels(rows: tuple[int, ...] = (1, 5, 8, 16, 32), layers: int = 24,
     dense = [torch.randn(n, k, generator=gen).to(torch.bfloat16)
              for _ in range(layers) for n, k in LAYER_SHAPES]
     weights = {"bf16": (linear, dense)}
-    for fmt in ("Q8_0", "Q4_0", "Q4_1"):
+    for fmt in KERNEL_FORMATS:
         by_row = [quantize(w, fmt) for w in dense]
         for act in ACTS:
             weights[f"{fmt} {act}"] = (_quant_fn(act), [
@@ -156,6 +160,8 @@ def measure_kernels(rows: tuple[int, ...] = (1, 5, 8, 16, 32), layers: int = 24,
         if fmt == "Q8_0":
             weights["Q8_0 q16 by row"] = (_quant_fn("q16"), by_row)
     out: dict[str, dict[int, float]] = {kind: {} for kind in weights}
+    nbytes = {kind: sum(w.nbytes if hasattr(w, "fmt") else w.numel() * w.element_size()
+                        for w in ws) for kind, (_, ws) in weights.items()}
     for m in rows:
         xs = {k: torch.randn(m, k, generator=gen).to(torch.bfloat16) for _, k in LAYER_SHAPES}
         for _ in range(repeats):
@@ -165,24 +171,28 @@ def measure_kernels(rows: tuple[int, ...] = (1, 5, 8, 16, 32), layers: int = 24,
                     fn(xs[k], w)
                 ms = 1e3 * (time.perf_counter() - start)
                 out[kind][m] = min(out[kind].get(m, float("inf")), ms)
-    return out
+    return out, nbytes
 
 
-def format_kernels(result: dict[str, dict[int, float]], ceilings: dict[str, float],
-                   layers: int = 24) -> str:
-    """Per kind and row count: ms, the cost over one row, and the multiply-adds per second as
-    a share of the ceiling of the instruction the kernel is built on (integer activations:
-    int16 multiply-adds; bf16 and fp32 activations: fp32 FMAs)."""
+def format_kernels(result: dict[str, dict[int, float]], nbytes: dict[str, int],
+                   ceilings: dict[str, float], layers: int = 24) -> str:
+    """Per kind and row count: ms, the cost over one row, weight GB/s, GFLOP/s and the
+    multiply-adds per second as a share of the ceiling of the instruction the kernel is built
+    on (integer activations: int16 multiply-adds; bf16 and fp32 activations: fp32 FMAs)."""
     rows = list(next(iter(result.values())))
     macs = layers * sum(n * k for n, k in LAYER_SHAPES)  # per activation row
-    lines = ["| weights | " + " | ".join(f"M={m}: ms, / M=1, of ceiling" for m in rows) + " |",
+    lines = ["| weights | " + " | ".join(f"M={m}: ms, / M=1, GB/s, GFLOP/s, of ceiling"
+                                         for m in rows) + " |",
              "|---" * (1 + len(rows)) + "|"]
     for kind, by_m in result.items():
         ceiling = ceilings.get("madd16" if " q" in kind else "fma")
         cells = []
         for m in rows:
-            share = f"{m * macs / (by_m[m] / 1e3) / ceiling:.0%}" if ceiling else "-"
-            cells.append(f"{by_m[m]:.1f}, {by_m[m] / by_m[rows[0]]:.2f}x, {share}")
+            seconds = by_m[m] / 1e3
+            share = f"{m * macs / seconds / ceiling:.0%}" if ceiling else "-"
+            cells.append(f"{by_m[m]:.1f}, {by_m[m] / by_m[rows[0]]:.2f}x, "
+                         f"{nbytes[kind] / seconds / 1e9:.1f}, {2 * m * macs / seconds / 1e9:.1f}, "
+                         f"{share}")
         lines.append(f"| {kind} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -211,6 +221,8 @@ def measure_kernel_shapes(rows: tuple[int, ...] = (1, 5), repeats: int = 5,
         dense = torch.randn(n, k, generator=gen)
         kinds = {"fp32 torch": (F.linear, dense), "bf16 linear": (linear, dense.bfloat16())}
         for fmt, act in QUANT_KINDS:
+            if fmt in ("Q4_K", "Q6_K") and k % 256:
+                continue  # a k-quant needs whole super-blocks
             kinds[f"{fmt} {act}"] = (_quant_fn(act),
                                      quantize(dense, fmt).with_row_group(ROW_GROUP))
         copies, nbytes = {}, {}
@@ -239,16 +251,16 @@ def measure_kernel_shapes(rows: tuple[int, ...] = (1, 5), repeats: int = 5,
 
 
 def format_kernel_shapes(result: dict, bandwidth: float) -> str:
-    kinds = list(next(iter(result.values())))
-    fmts = ("Q8_0", "Q4_0", "Q4_1")
+    kinds = list(max(result.values(), key=len))  # every kind (k-quants skip some shapes)
+    fmts = KERNEL_FORMATS
     lines = ["| shape | " + " | ".join(kinds) + " | "
              + " | ".join(f"{fmt} {act} vs fp32 act" for act in ACTS[:-1] for fmt in fmts) + " |",
              "|---" * (len(kinds) + 1 + len(fmts) * (len(ACTS) - 1)) + "|"]
     for shape, by_kind in result.items():
         cells = [f"{v['us']:.0f} us {v['gbps']:.1f} GB/s {v['gbps'] / bandwidth:.0%}"
-                 for v in by_kind.values()]
+                 if (v := by_kind.get(kind)) else "-" for kind in kinds]
         speedups = [f"{by_kind[f'{fmt} fp32']['us'] / by_kind[f'{fmt} {act}']['us']:.2f}x"
-                    for act in ACTS[:-1] for fmt in fmts]
+                    if f"{fmt} fp32" in by_kind else "-" for act in ACTS[:-1] for fmt in fmts]
         lines.append(f"| {shape} | " + " | ".join(cells + speedups) + " |")
     return "\n".join(lines)
 
@@ -351,10 +363,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench quant") -> 
               + ", ".join(f"{name} {ops / 1e9:.1f} G multiply-adds/s"
                           for name, ops in ceilings.items()))
         log("kernel scaling")
-        report["kernels"] = measure_kernels(tuple(int(m) for m in args.kernel_rows.split(",")))
+        report["kernels"], report["kernel_bytes"] = measure_kernels(
+            tuple(int(m) for m in args.kernel_rows.split(",")))
         print(f"\nOne pass over 24 widened layers' projections (weights from memory), ISA path "
               f"{cpu_build.selected_isa()}, best of 5:\n")
-        print(format_kernels(report["kernels"], ceilings))
+        print(format_kernels(report["kernels"], report["kernel_bytes"], ceilings))
         log("kernel shapes")
         bandwidth = measure_read_bandwidth(256 << 20)
         report["read_bandwidth_gbps"] = bandwidth / 1e9
