@@ -948,28 +948,33 @@ SIMD_INLINE __m128i tiled_words(const uint8_t *t, int w, int h) {
     return _mm_loadu_si128((const __m128i *)(t + 32 * w + 16 * h));
 }
 
-/* Q4_K, tiled: the 8 rows of half h's scale d sc (D) and offset -(dmin m) (Mn) of sub-block j
- * as fp32 lanes (d, dmin: the rows' fp16 fields as fp32). Scale byte k of every row is byte
- * k % 2 of word 2 + k / 2; the 6-bit fields unpack as q4_k_scale_min does. */
-SIMD_INLINE void q4_k_tiled_scales(const uint8_t *t, int h, int j, __m256 d, __m256 dmin,
-                                   __m256 *D, __m256 *Mn) {
-#define SCALE_BYTE(k) ((k) % 2 ? _mm_srli_epi16(tiled_words(t, 2 + (k) / 2, h), 8) \
-                               : _mm_and_si128(tiled_words(t, 2 + (k) / 2, h), _mm_set1_epi16(0xff)))
-    __m128i sc, m;
-    if (j < 4) {
-        sc = _mm_and_si128(SCALE_BYTE(j), _mm_set1_epi16(63));
-        m = _mm_and_si128(SCALE_BYTE(j + 4), _mm_set1_epi16(63));
-    } else {
-        const __m128i packed = SCALE_BYTE(j + 4);
-        sc = _mm_or_si128(_mm_and_si128(packed, _mm_set1_epi16(15)),
-                          _mm_slli_epi16(_mm_srli_epi16(SCALE_BYTE(j - 4), 6), 4));
-        m = _mm_or_si128(_mm_srli_epi16(packed, 4),
-                         _mm_slli_epi16(_mm_srli_epi16(SCALE_BYTE(j), 6), 4));
+/* Q4_K, tiled: the 8 rows of half h's scale d sc (D[j]) and offset -(dmin m) (Mn[j]) of every
+ * sub-block j as fp32 lanes (d, dmin: the rows' fp16 fields as fp32). Scale byte k of every row
+ * is byte k % 2 of word 2 + k / 2, each extracted once; the 6-bit fields unpack as
+ * q4_k_scale_min does. */
+SIMD_INLINE void q4_k_tiled_scales(const uint8_t *t, int h, __m256 d, __m256 dmin,
+                                   __m256 D[SUBS], __m256 Mn[SUBS]) {
+    __m128i bytes[12];
+    for (int w = 0; w < 6; w++) {
+        const __m128i words = tiled_words(t, 2 + w, h);
+        bytes[2 * w] = _mm_and_si128(words, _mm_set1_epi16(0xff));
+        bytes[2 * w + 1] = _mm_srli_epi16(words, 8);
     }
-#undef SCALE_BYTE
-    *D = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(sc)));
-    *Mn = _mm256_xor_ps(_mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(m))),
-                        _mm256_set1_ps(-0.0f));
+    for (int j = 0; j < SUBS; j++) {
+        __m128i sc, m;
+        if (j < 4) {
+            sc = _mm_and_si128(bytes[j], _mm_set1_epi16(63));
+            m = _mm_and_si128(bytes[j + 4], _mm_set1_epi16(63));
+        } else {
+            sc = _mm_or_si128(_mm_and_si128(bytes[j + 4], _mm_set1_epi16(15)),
+                              _mm_slli_epi16(_mm_srli_epi16(bytes[j - 4], 6), 4));
+            m = _mm_or_si128(_mm_srli_epi16(bytes[j + 4], 4),
+                             _mm_slli_epi16(_mm_srli_epi16(bytes[j], 6), 4));
+        }
+        D[j] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(sc)));
+        Mn[j] = _mm256_xor_ps(_mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(m))),
+                              _mm256_set1_ps(-0.0f));
+    }
 }
 
 /* Q6_K, tiled: the 8 rows of half h's d sc of 16-weight sub-block u as fp32 lanes (the int8
@@ -1009,11 +1014,10 @@ SIMD_INLINE void tiled_k_micro_kernel(const int MR, const int NG, const int h0, 
         for (int i = 0; i < MR; i++) x[i] = (const int16_t *)c->q + (m0 + i) * c->kp + sb * QK_K;
         const int64_t blk0 = sb * SUBS; /* the super-block's first 32-weight block */
         if (fmt == FMT_Q4_K) {
-            __m256 d[2], dmin[2];
-            for (int h = 0; h < NG; h++) {
-                d[h] = _mm256_cvtph_ps(tiled_words(t, 0, h0 + h));
-                dmin[h] = _mm256_cvtph_ps(tiled_words(t, 1, h0 + h));
-            }
+            __m256 D[2][SUBS], Mn[2][SUBS];
+            for (int h = 0; h < NG; h++)
+                q4_k_tiled_scales(t, h0 + h, _mm256_cvtph_ps(tiled_words(t, 0, h0 + h)),
+                                  _mm256_cvtph_ps(tiled_words(t, 1, h0 + h)), D[h], Mn[h]);
 #pragma GCC unroll 4
             for (int cc = 0; cc < 4; cc++) {
                 __m256i isum[MR_MAX][2][2]; /* [row][half][low / high nibbles] */
@@ -1041,17 +1045,14 @@ SIMD_INLINE void tiled_k_micro_kernel(const int MR, const int NG, const int h0, 
 #pragma GCC unroll 2
                 for (int e = 0; e < 2; e++) { /* sub-blocks 2cc, 2cc + 1 in k order */
                     const int sub = 2 * cc + e;
-                    __m256 D[2], Mn[2];
-                    for (int h = 0; h < NG; h++)
-                        q4_k_tiled_scales(t, h0 + h, sub, d[h], dmin[h], &D[h], &Mn[h]);
 #pragma GCC unroll 8
                     for (int i = 0; i < MR; i++) {
                         const int64_t at = (m0 + i) * c->nb + blk0 + sub;
                         const __m256 dx = _mm256_set1_ps(c->d[at]), sx = _mm256_set1_ps(c->s[at]);
                         for (int h = 0; h < NG; h++) {
-                            __m256 v = _mm256_mul_ps(_mm256_mul_ps(D[h], dx),
+                            __m256 v = _mm256_mul_ps(_mm256_mul_ps(D[h][sub], dx),
                                                      _mm256_cvtepi32_ps(isum[i][h][e]));
-                            v = _mm256_add_ps(v, _mm256_mul_ps(Mn[h], sx));
+                            v = _mm256_add_ps(v, _mm256_mul_ps(Mn[h][sub], sx));
                             acc[i][h] = _mm256_add_ps(acc[i][h], v);
                         }
                     }
