@@ -1007,8 +1007,10 @@ SIMD_INLINE void tiled_k_micro_kernel(const int MR, const int NG, const int h0, 
         for (int h = 0; h < NG; h++) acc[i][h] = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < c->nb / SUBS; sb++) {
         const uint8_t *t = group + sb * TILE_ROWS * bb;
-        for (int line = 0; line < TILE_ROWS * bb; line += 64)
-            __builtin_prefetch(t + TILE_ROWS * c->row_bytes + line);
+        /* the next group's super-block, a quarter at each of the four steps below: issued at
+         * once, its 36 or 53 lines overflow the core's outstanding-miss slots */
+        const uint8_t *next = t + TILE_ROWS * c->row_bytes;
+        const int quarter = TILE_ROWS * bb / 4;
         const int16_t *x[MR_MAX];
 #pragma GCC unroll 8
         for (int i = 0; i < MR; i++) x[i] = (const int16_t *)c->q + (m0 + i) * c->kp + sb * QK_K;
@@ -1020,6 +1022,7 @@ SIMD_INLINE void tiled_k_micro_kernel(const int MR, const int NG, const int h0, 
                                   _mm256_cvtph_ps(tiled_words(t, 1, h0 + h)), D[h], Mn[h]);
 #pragma GCC unroll 4
             for (int cc = 0; cc < 4; cc++) {
+                for (int line = 0; line < quarter; line += 64) __builtin_prefetch(next + cc * quarter + line);
                 __m256i isum[MR_MAX][2][2]; /* [row][half][low / high nibbles] */
 #pragma GCC unroll 8
                 for (int i = 0; i < MR; i++)
@@ -1067,6 +1070,8 @@ SIMD_INLINE void tiled_k_micro_kernel(const int MR, const int NG, const int h0, 
                 __m256 v[MR_MAX][2][4];     /* each block's v, added to acc in k order below */
 #pragma GCC unroll 2
                 for (int p = 0; p < 2; p++) { /* blocks s = p (low nibbles) and p + 2 (high) */
+                    for (int line = 0; line < quarter; line += 64)
+                        __builtin_prefetch(next + (2 * hh + p) * quarter + line);
 #pragma GCC unroll 2
                     for (int part = 0; part < 2; part++) { /* weights 16 part .. of a block */
                         __m256i isum[MR_MAX][2][2]; /* [row][half][block p, p + 2] */
