@@ -98,8 +98,14 @@ def main(argv: list[str] | None = None) -> int:
     log(f"loaded in {load_s:.1f} s; default mode {llm.engine.default_mode}")
     tok = llm.tokenizer
     questions = list(HELD_OUT_PROMPTS[:args.prompts])
-    prompts = (chat_prompts(tok, questions) if args.turns == 1
-               else second_turns(llm, questions, args.max_tokens))
+    if not getattr(tok, "chat_template", None):  # e.g. a GGUF file without one in its metadata
+        if args.turns == 2:
+            parser.error("--turns 2 needs a chat template; this model's tokenizer has none")
+        log("  the tokenizer has no chat template: the questions run as plain text")
+        prompts = [tok.encode(q) for q in questions]
+    else:
+        prompts = (chat_prompts(tok, questions) if args.turns == 1
+                   else second_turns(llm, questions, args.max_tokens))
     names = args.modes.split(",")
     runners = {name: with_empty_suffix_store(llm, specserve_runner(
         llm, None if name == "default" else name, args.max_tokens, args.ignore_eos))
