@@ -21,6 +21,7 @@ import time
 from types import FrameType
 
 import uvicorn
+from websockets.exceptions import InvalidState
 
 from .admission import Admission
 
@@ -55,6 +56,8 @@ class DrainingServer(uvicorn.Server):
         for sock in sockets or []:
             sock.close()
         await self.drain()
+        for connection in list(self.server_state.connections):
+            _tolerate_closing_handshake(connection)
         await super().shutdown(sockets=None)
 
     async def drain(self) -> None:
@@ -77,3 +80,19 @@ class DrainingServer(uvicorn.Server):
             if await self.admission.wait_idle(min(left, 0.1)):
                 return True
         return False
+
+
+def _tolerate_closing_handshake(connection) -> None:
+    """uvicorn's shutdown of a WebSocket connection sends a close frame, which websockets
+    refuses (InvalidState) when the client's own close frame arrived first and the closing
+    handshake is already under way; the exception then ended the process with exit code 1
+    instead of 0. Such a connection only needs its transport closed."""
+    shutdown = connection.shutdown
+
+    def shutdown_once_closing() -> None:
+        try:
+            shutdown()
+        except InvalidState:
+            connection.transport.close()
+
+    connection.shutdown = shutdown_once_closing

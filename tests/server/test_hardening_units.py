@@ -65,3 +65,42 @@ def test_admission_tickets():
         assert admission.num_refused == 2
 
     asyncio.run(go())
+
+
+
+class _Connection:
+    """A WebSocket connection as uvicorn's shutdown sees it. `closing`: the client's close
+    frame came first, so sending ours raises as websockets does. Closing the transport ends
+    the connection (uvicorn's connection_lost)."""
+
+    def __init__(self, connections: set, closing: bool) -> None:
+        self.connections, self.closing = connections, closing
+        self.transport = self  # close() below is the transport's
+        self.closed = False
+        connections.add(self)
+
+    def close(self) -> None:
+        self.closed = True
+        self.connections.discard(self)
+
+    def shutdown(self) -> None:
+        from websockets.exceptions import InvalidState
+
+        if self.closing:
+            raise InvalidState("connection is closing")
+        self.close()
+
+
+def test_shutdown_survives_a_websocket_already_in_its_closing_handshake():
+    import uvicorn
+    from uvicorn.lifespan.off import LifespanOff
+
+    from specserve.server.drain import DrainingServer
+
+    config = uvicorn.Config(app=None, lifespan="off", timeout_graceful_shutdown=1)
+    server = DrainingServer(config, Admission(2), drain_timeout=0)
+    server.servers, server.lifespan = [], LifespanOff(config)
+    connections = server.server_state.connections
+    closing, open_one = _Connection(connections, True), _Connection(connections, False)
+    asyncio.run(server.shutdown())  # raised InvalidState before
+    assert closing.closed and open_one.closed and not connections
