@@ -65,10 +65,13 @@ def test_python_dash_m_is_the_same_program():
         assert command in out.stdout
 
 
-def test_serve_start_line_names_the_cpu_path(monkeypatch):
+def test_serve_start_line_names_the_cpu_path(monkeypatch, request):
     from specserve.cli import _cpu_path
+    from specserve.kernels import cpu_build
 
     monkeypatch.setenv("SPECSERVE_CPU_ISA", "portable")
+    cpu_build.selected_isa.cache_clear()  # the ISA is read once per process
+    request.addfinalizer(cpu_build.selected_isa.cache_clear)
     monkeypatch.setenv("SPECSERVE_QUANT_ACT", "q8")
     assert _cpu_path("cpu") == ", CPU kernels portable, quantized activations q8"
     monkeypatch.setenv("SPECSERVE_QUANT_ACT", "fp32")
