@@ -615,12 +615,14 @@ SIMD_INLINE __m256i block_dot16(const __m256i words[2], const int16_t *x) {
 #endif
 }
 
-/* acc + the products of int16 weights and activations, in int32 pairs (VNNI: one VPDPWSSD). */
-SIMD_INLINE __m256i word_dot(__m256i acc, __m256i w, __m256i x) {
+/* acc + the products of int16 weights w and activations xp, summed in int32 pairs (VNNI: one
+ * VPDPWSSD). The tiled kernels pass eight rows' weight pairs (one row per int32 lane) and a
+ * broadcast activation pair (pair_at). */
+SIMD_INLINE __m256i pair_dot(__m256i acc, __m256i w, __m256i xp) {
 #if defined(SPECSERVE_ISA_AVX512)
-    return _mm256_dpwssd_epi32(acc, w, x);
+    return _mm256_dpwssd_epi32(acc, w, xp);
 #else
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(w, x));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(w, xp));
 #endif
 }
 
@@ -688,8 +690,8 @@ SIMD_INLINE void int_k_micro_kernel(const int MR, const int NR, const int fmt, c
                 __m256i pa[4], pb[4];
 #pragma GCC unroll 4
                 for (int r = 0; r < 4; r++) {
-                    pa[r] = word_dot(zero, words[r][0], x0);
-                    pb[r] = word_dot(zero, words[r][1], x1);
+                    pa[r] = pair_dot(zero, words[r][0], x0);
+                    pb[r] = pair_dot(zero, words[r][1], x1);
                 }
                 const __m128 fa = _mm_cvtepi32_ps(sum4(pa[0], pa[1], pa[2], pa[3]));
                 const __m128 fb = _mm_cvtepi32_ps(sum4(pb[0], pb[1], pb[2], pb[3]));
@@ -698,7 +700,7 @@ SIMD_INLINE void int_k_micro_kernel(const int MR, const int NR, const int fmt, c
             } else {
                 __m256i p[4];
 #pragma GCC unroll 4
-                for (int r = 0; r < 4; r++) p[r] = word_dot(word_dot(zero, words[r][0], x0), words[r][1], x1);
+                for (int r = 0; r < 4; r++) p[r] = pair_dot(pair_dot(zero, words[r][0], x0), words[r][1], x1);
                 const __m128i isum = sum4(p[0], p[1], p[2], p[3]);
                 v = _mm_mul_ps(_mm_mul_ps(dav, _mm_set1_ps(c->d[at])), _mm_cvtepi32_ps(isum));
                 v = _mm_add_ps(v, _mm_mul_ps(mwv, _mm_set1_ps(c->s[at])));
@@ -851,16 +853,6 @@ SIMD_INLINE __m256i pair_at(const int16_t *x) {
     int32_t pair;
     memcpy(&pair, x, sizeof pair);
     return _mm256_set1_epi32(pair);
-}
-
-/* acc + the products of eight rows' weight pairs w (int16 pairs, one row per int32 lane) with
- * the activation pair xp (pair_at). */
-SIMD_INLINE __m256i pair_dot(__m256i acc, __m256i w, __m256i xp) {
-#if defined(SPECSERVE_ISA_AVX512)
-    return _mm256_dpwssd_epi32(acc, w, xp);
-#else
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(w, xp));
-#endif
 }
 
 /* MR activation rows (int16 blocks) x NG halves of a tiled group from half h0 on (8 weight
