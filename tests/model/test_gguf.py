@@ -175,6 +175,20 @@ def test_every_type_loads_the_weights_it_stores(llama, tmp_path, qtype):
     assert rel <= bound[qtype], rel
 
 
+@pytest.mark.parametrize("qtype", (Q.BF16, Q.F16, Q.F32, Q.Q8_0), ids=lambda q: q.name)
+def test_auto_dtype_follows_the_files_matrices(llama, tmp_path, qtype):
+    """"auto" computes a BF16 file in bfloat16, with the logits of its stored values loaded as
+    bfloat16; other files (whose values bfloat16 would round) compute in float32."""
+    path = tmp_path / "m.gguf"
+    write_gguf(llama, path, qtype)
+    model = load_model(path)
+    want = torch.bfloat16 if qtype == Q.BF16 else torch.float32
+    assert {p.dtype for p in model.parameters() if p.is_floating_point()} == {want}
+    if qtype == Q.BF16:
+        folder = roundtrip_folder(llama, tmp_path / "rt", qtype)
+        assert torch.equal(logits(model, IDS), logits(load_model(folder, dtype="bfloat16"), IDS))
+
+
 @pytest.mark.parametrize("qtype", (Q.F32, Q.Q8_0, Q.Q4_1), ids=lambda q: q.name)
 def test_raw_blocks_are_unpermuted_hf_rows(llama, tmp_path, qtype):
     """`raw` holds each row's own blocks: what quantizing the Hugging Face weight gives."""
