@@ -39,6 +39,8 @@ SUBCOMMANDS = {
     "peer": Subcommand("cpu_paths", "CPU kernel paths' decode, verify cost and TTFT beside "
                                     "llama.cpp"),
     "quant": Subcommand("quant", "int8/int4 weights: speed beside bf16 and llama.cpp, quality"),
+    "agreement": Subcommand("agreement", "greedy continuations beside llama.cpp's on the same "
+                                         "GGUF, per activation format"),
     "default-model": Subcommand("default_model", "the default model and its draft per mode, "
                                                  "beside llama.cpp on its GGUF"),
     "kernels": Subcommand("products", "the few-row bf16 products alone: paths, row counts, "

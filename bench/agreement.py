@@ -1,0 +1,117 @@
+"""Greedy agreement with llama.cpp on the same GGUF file: for each held-out prompt, specserve's
+greedy continuation beside llama-completion's, per activation format of the quantized products.
+
+    python -m bench agreement --target FILE.gguf            # 16 prompts x 32 tokens
+    python -m bench agreement --target FILE.gguf --acts q16,q8,fp32 --prompts 16 --max-tokens 32
+
+Both engines read the file's own blocks, but their arithmetic differs: llama.cpp quantizes a
+k-quant product's activations into 8-bit blocks (Q8_K), specserve into 16-bit ones by default
+(`SPECSERVE_QUANT_ACT=q16`; `q8` takes 8-bit blocks, `fp32` keeps them exact), and the two sum
+in different orders. Near-ties between the two most likely tokens then fall either way, and a
+continuation that differs once goes its own way. So this counts, per prompt, the tokens the two
+share from the start (specserve's tokens whose decoded text is a prefix of llama.cpp's), and how
+many continuations are identical throughout. Prompts without a chat template in the file run
+as plain text, as `bench default-model` runs them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import tempfile
+from pathlib import Path
+
+from bench.compare import chat_prompts
+from bench.cpu_paths import PEER, peer_bin
+from bench.options import add_threads, log
+from specserve import LLM, SamplingParams
+from specserve.draft_models.chat_prompts import HELD_OUT_PROMPTS
+from specserve.kernels.quant_cpu import ACTIVATIONS
+
+
+def llamacpp_text(bin_dir: Path, target: Path, prompt_text: str, max_tokens: int,
+                  threads: int) -> str:
+    """llama-completion's greedy continuation of prompt_text (the prompt itself not echoed)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".txt") as f:
+        f.write(prompt_text + "\n")  # -f strips one trailing newline
+        f.flush()
+        done = subprocess.run(
+            [str(bin_dir / "llama-completion"), "-m", str(target), "-f", f.name, "-n",
+             str(max_tokens), "-t", str(threads), "--temp", "0", "--top-k", "1", "-c", "1024",
+             "-no-cnv", "--no-warmup", "--no-display-prompt", "--ignore-eos"],
+            capture_output=True, text=True, check=True, stdin=subprocess.DEVNULL)
+    return done.stdout
+
+
+def shared_tokens(tokenizer, ids: list[int], text: str) -> int:
+    """How many of ids, from the first, decode to a prefix of text."""
+    n = 0
+    while n < len(ids) and text.startswith(tokenizer.decode(ids[:n + 1])):
+        n += 1
+    return n
+
+
+def prompt_texts(tokenizer, prompts: list[list[int]]) -> list[str]:
+    """Each prompt as llama.cpp reads it: its text without a leading BOS, which llama.cpp adds
+    itself when the file asks for one."""
+    bos = tokenizer.bos_token_id
+    return [tokenizer.decode(p[1:] if bos is not None and p[:1] == [bos] else p)
+            for p in prompts]
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m bench.agreement") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", type=Path, required=True, help="a GGUF file")
+    parser.add_argument("--acts", default="q16,q8,fp32",
+                        help=f"activation formats to compare ({', '.join(ACTIVATIONS)})")
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--peer", type=Path, default=PEER, help="the llama.cpp peer script")
+    add_threads(parser)
+    args = parser.parse_args(argv)
+    acts = args.acts.split(",")
+    if unknown := set(acts) - set(ACTIVATIONS):
+        parser.error(f"--acts: unknown {sorted(unknown)}; choose from {', '.join(ACTIVATIONS)}")
+    if args.target.suffix != ".gguf" or not args.target.is_file():
+        parser.error(f"--target {args.target}: not a GGUF file")
+    if not 1 <= args.prompts <= len(HELD_OUT_PROMPTS):
+        parser.error(f"--prompts must be 1..{len(HELD_OUT_PROMPTS)}")
+    bin_dir = peer_bin(args.peer)
+    if bin_dir is None:
+        parser.error(f"llama.cpp is not built: {args.peer} build")
+    import torch
+
+    torch.set_num_threads(args.threads)
+    questions = list(HELD_OUT_PROMPTS[:args.prompts])
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    theirs: list[str] | None = None
+    print(f"{args.target.name}: {len(questions)} held-out prompts x {args.max_tokens} greedy "
+          f"tokens, beside llama-completion; {args.threads} threads")
+    print("| activations | identical continuations | tokens shared from the start, mean | "
+          "min |\n|---|---|---|---|")
+    for act in acts:
+        os.environ["SPECSERVE_QUANT_ACT"] = act  # read when the weights' row order is chosen
+        llm = LLM(args.target, speculation="off", enable_prefix_caching=False)
+        tok = llm.tokenizer
+        if getattr(tok, "chat_template", None):
+            prompts = chat_prompts(tok, questions)
+        else:
+            prompts = [tok.encode(q) for q in questions]
+        if theirs is None:
+            log("  llama-completion on each prompt")
+            theirs = [llamacpp_text(bin_dir, args.target, text, args.max_tokens, args.threads)
+                      for text in prompt_texts(tok, prompts)]
+        ours = [out.token_ids for out in llm.generate(prompts, params)]
+        shared = [shared_tokens(tok, ids, text) for ids, text in zip(ours, theirs)]
+        same = sum(s == len(ids) for s, ids in zip(shared, ours))
+        print(f"| {act} | {same}/{len(ours)} | {statistics.mean(shared):.1f} of "
+              f"{args.max_tokens} | {min(shared)} |", flush=True)
+        del llm
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
