@@ -24,15 +24,25 @@
 #include "cpu_kernels.h"
 
 enum { LINEAR_BF16 = 0, LINEAR_QUANT = 1 };
+#define MAX_PARTS 3 /* a fused q/k/v: one part per block format at most */
 
-/* One projection: y [T, n] = x [T, k] W^T (+ bias). */
+/* One product of a projection: y [T, n] = x [T, k] W^T (+ bias). */
 typedef struct {
     int32_t kind;       /* LINEAR_BF16: weight bf16 [n, k]; LINEAR_QUANT: GGUF blocks [n, .] */
     int32_t fmt;        /* the block format (cpu_quant.c's FMT_*) of a LINEAR_QUANT weight */
     int32_t group;      /* its row order (cpu_quant.c's `group`: 1 or ROW_GROUP) */
     const void *weight;
     const void *bias;   /* [n] in the activations' dtype, or NULL */
-    int64_t n, k;
+    int64_t n;
+} part_desc;
+
+/* One projection: y [T, n] = x [T, k] W^T (+ bias), W made of num_parts parts stacked by rows,
+ * each its own product written into its own columns of y (a Q4_K_M file's q/k in Q4_K beside
+ * a v in Q6_K: model/quant.py's QuantizedParts). */
+typedef struct {
+    part_desc parts[MAX_PARTS];
+    int32_t num_parts;
+    int64_t n, k;       /* n: the parts' n summed */
 } linear_desc;
 
 typedef struct {
@@ -111,17 +121,37 @@ static void add_in_place(void *x, const void *y, int64_t n, const int f32) {
     }
 }
 
-static int project(const decoder_desc *m, const step_desc *s, const linear_desc *w,
+static int product(const decoder_desc *m, const step_desc *s, const part_desc *w, int64_t k,
                    const void *x, void *y, int num_threads) {
     const int64_t T = s->T;
     if (w->kind == LINEAR_BF16)
         return (T >= m->gemm_min_rows ? gemm_bf16 : gemv_bf16)(x, w->weight, w->bias, NULL, y,
-                                                               T, w->n, w->k, num_threads);
+                                                               T, w->n, k, num_threads);
     if (s->act_bits == 0)
         return quant_matmul(x, !m->f32, w->weight, w->fmt, w->group, w->bias, y, !m->f32, T,
-                            w->n, w->k, num_threads);
+                            w->n, k, num_threads);
     return quant_matmul_int(x, !m->f32, w->weight, w->fmt, w->group, w->bias, y, !m->f32, T,
-                            w->n, w->k, s->act_bits, num_threads);
+                            w->n, k, s->act_bits, num_threads);
+}
+
+/* y [T, w->n] = x W^T. A projection of several parts runs each part's product alone into
+ * `scratch` [T, part n], then copies it into the part's columns of y: the bits of that part
+ * run by itself, as QuantizedParts concatenates them. The copy is a few KB against the
+ * product's tens of microseconds, so the kernels keep their one output layout. */
+static int project(const decoder_desc *m, const step_desc *s, const linear_desc *w,
+                   const void *x, void *y, void *scratch, int num_threads) {
+    if (w->num_parts == 1) return product(m, s, &w->parts[0], w->k, x, y, num_threads);
+    const size_t elem = m->f32 ? sizeof(float) : sizeof(uint16_t);
+    int64_t col = 0;
+    for (int i = 0; i < w->num_parts; i++) {
+        const part_desc *part = &w->parts[i];
+        if (product(m, s, part, w->k, x, scratch, num_threads)) return -1;
+        for (int64_t t = 0; t < s->T; t++)
+            memcpy((char *)y + (t * w->n + col) * elem, (char *)scratch + t * part->n * elem,
+                   (size_t)part->n * elem);
+        col += part->n;
+    }
+    return 0;
 }
 
 /* Runs every layer of m over x [T, hidden] (bf16, or fp32 when m->f32), in place. Returns 0;
@@ -137,10 +167,13 @@ int decoder_layers(const decoder_desc *m, const step_desc *s, void *x, int num_t
     const int64_t num_slots = s->num_blocks * s->block_size;
     const int64_t cache_len = num_slots * kv_len; /* one K (or V) cache, in values */
     /* Scratch in one allocation, each part 64-byte aligned: h [T, H], qkv [T, qkv_len],
-     * q and a [T, q_len], p [T, H], g [T, 2I], act [T, I]. */
-    enum { H_, QKV, Q, A, P, G, ACT, PARTS };
+     * q and a [T, q_len], p [T, H], g [T, 2I], act [T, I], and one part's product of a
+     * projection made of several (at most the widest output). */
+    enum { H_, QKV, Q, A, P, G, ACT, PART, PARTS };
+    int64_t widest = qkv_len > H ? qkv_len : H;
+    if (2 * I > widest) widest = 2 * I;
     const int64_t values[PARTS] = {T * H, T * qkv_len, T * q_len, T * q_len, T * H, T * 2 * I,
-                                   T * I};
+                                   T * I, T * widest};
     size_t offset[PARTS + 1] = {0};
     for (int i = 0; i < PARTS; i++)
         offset[i + 1] = offset[i] + ((size_t)values[i] * elem + 63) / 64 * 64;
@@ -148,14 +181,14 @@ int decoder_layers(const decoder_desc *m, const step_desc *s, void *x, int num_t
     if (!buf) return -1;
     char *h = buf + offset[H_], *qkv = buf + offset[QKV], *q = buf + offset[Q];
     char *a = buf + offset[A], *p = buf + offset[P], *g = buf + offset[G];
-    char *act = buf + offset[ACT];
+    char *act = buf + offset[ACT], *part = buf + offset[PART];
     int status = 0;
     for (int64_t l = 0; l < m->num_layers; l++) {
         const layer_desc *layer = &m->layers[l];
         char *k_cache = (char *)s->kv_cache + (size_t)(2 * l) * cache_len * elem;
         char *v_cache = k_cache + (size_t)cache_len * elem;
         rms_norm_rows(x, layer->input_norm, h, T, H, m->eps, f32);
-        if (project(m, s, &layer->qkv, h, qkv, num_threads)) { status = -1; break; }
+        if (project(m, s, &layer->qkv, h, qkv, part, num_threads)) { status = -1; break; }
         if (rotary_rows(qkv, T, qkv_len, m->num_heads + m->num_kv_heads, D, m->cos, m->sin,
                         m->max_positions, s->positions, f32)) { status = -2; break; }
         if (store_kv_rows(qkv + q_len * elem, qkv + (q_len + kv_len) * elem, qkv_len, k_cache,
@@ -169,15 +202,15 @@ int decoder_layers(const decoder_desc *m, const step_desc *s, void *x, int num_t
                             s->query_start_loc, s->context_lens, s->local_mask,
                             s->max_query_len, s->num_requests, m->num_heads, m->num_kv_heads, D,
                             s->block_size, m->scale, a, num_threads)
-            || project(m, s, &layer->o, a, p, num_threads)) {
+            || project(m, s, &layer->o, a, p, part, num_threads)) {
             status = -1;
             break;
         }
         add_in_place(x, p, T * H, f32);
         rms_norm_rows(x, layer->post_norm, h, T, H, m->eps, f32);
-        if (project(m, s, &layer->gate_up, h, g, num_threads)) { status = -1; break; }
+        if (project(m, s, &layer->gate_up, h, g, part, num_threads)) { status = -1; break; }
         silu_mul_rows(g, act, T, I, f32, num_threads);
-        if (project(m, s, &layer->down, act, p, num_threads)) { status = -1; break; }
+        if (project(m, s, &layer->down, act, p, part, num_threads)) { status = -1; break; }
         add_in_place(x, p, T * H, f32);
     }
     free(buf);

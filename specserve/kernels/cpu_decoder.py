@@ -26,12 +26,17 @@ from .quant_reference import QuantizedWeight
 MAX_ROWS = cpu_linear.INVARIANT_ROWS
 
 _LINEAR_BF16, _LINEAR_QUANT = 0, 1
+MAX_PARTS = 3  # products per projection (cpu_decoder.c's MAX_PARTS)
 _p, _i32, _i64, _f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
 
 
-class _Linear(ctypes.Structure):
+class _Part(ctypes.Structure):
     _fields_ = [("kind", _i32), ("fmt", _i32), ("group", _i32), ("weight", _p), ("bias", _p),
-                ("n", _i64), ("k", _i64)]
+                ("n", _i64)]
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("parts", _Part * MAX_PARTS), ("num_parts", _i32), ("n", _i64), ("k", _i64)]
 
 
 class _Layer(ctypes.Structure):
@@ -58,9 +63,21 @@ Weight = torch.Tensor | QuantizedWeight
 
 
 @dataclass
+class Part:
+    weight: Weight  # bf16 [n, K] or GGUF blocks
+    bias: torch.Tensor | None  # [n]
+
+
+@dataclass
 class Projection:
-    weight: Weight  # bf16 [N, K] or GGUF blocks
-    bias: torch.Tensor | None
+    """y [T, the parts' n summed] = each part's product in its own columns, in order: one part,
+    or one per block format of a fused projection whose parts differ (QuantizedParts)."""
+
+    parts: list[Part]
+
+    @property
+    def in_features(self) -> int:
+        return self.parts[0].weight.shape[1]
 
 
 @dataclass
@@ -119,7 +136,7 @@ class DecoderStack:
         first = layers[0]
         self._desc = _Decoder(
             ctypes.cast(self._layers, ctypes.POINTER(_Layer)), len(layers),
-            first.input_norm.shape[0], first.down.weight.shape[1], num_heads, num_kv_heads,
+            first.input_norm.shape[0], first.down.in_features, num_heads, num_kv_heads,
             head_dim, eps, head_dim ** -0.5, cos.data_ptr(), sin.data_ptr(), cos.shape[0],
             dtype == torch.float32, cpu_linear.GEMM_MIN_ROWS)
 
@@ -136,7 +153,12 @@ class DecoderStack:
                 if norm.dtype != dtype or not norm.is_contiguous() or norm.device.type != "cpu":
                     return "the norms' weights must be contiguous CPU tensors of the dtype"
             for proj in (w.qkv, w.o, w.gate_up, w.down):
-                weight = proj.weight
+                if not 1 <= len(proj.parts) <= MAX_PARTS:
+                    return f"a projection of {len(proj.parts)} parts (1 to {MAX_PARTS} run)"
+                if any(part.weight.shape[1] != proj.in_features for part in proj.parts):
+                    return "a projection's parts must share their input features"
+            for weight in (p.weight for proj in (w.qkv, w.o, w.gate_up, w.down)
+                           for p in proj.parts):
                 if isinstance(weight, QuantizedWeight):
                     if weight.blocks.device.type != "cpu":
                         return "quantized weights must be on the CPU"
@@ -152,16 +174,20 @@ class DecoderStack:
                       *(self._linear(p) for p in (w.qkv, w.o, w.gate_up, w.down)))
 
     def _linear(self, proj: Projection) -> _Linear:
-        bias = None if proj.bias is None else proj.bias.to(self.dtype).contiguous()
-        weight = proj.weight
+        parts = [self._part(part) for part in proj.parts]
+        return _Linear((_Part * MAX_PARTS)(*parts), len(parts), sum(p.n for p in parts),
+                       proj.in_features)
+
+    def _part(self, part: Part) -> _Part:
+        bias = None if part.bias is None else part.bias.to(self.dtype).contiguous()
+        weight = part.weight
         quantized = isinstance(weight, QuantizedWeight)
         data = weight.blocks.contiguous() if quantized else weight
         self._keep += [data] + ([] if bias is None else [bias])
-        n, k = weight.shape
-        return _Linear(_LINEAR_QUANT if quantized else _LINEAR_BF16,
-                       weight.fmt.code if quantized else 0,
-                       weight.row_group if quantized else 1, data.data_ptr(),
-                       None if bias is None else bias.data_ptr(), n, k)
+        return _Part(_LINEAR_QUANT if quantized else _LINEAR_BF16,
+                     weight.fmt.code if quantized else 0, weight.row_group if quantized else 1,
+                     data.data_ptr(), None if bias is None else bias.data_ptr(),
+                     weight.shape[0])
 
     def run(self, lib, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
             slot_mapping: torch.Tensor, block_tables: torch.Tensor,

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..kernels import cpu_decoder
-from ..kernels.cpu_decoder import DecoderStack, LayerWeights, Projection
+from ..kernels.cpu_decoder import DecoderStack, LayerWeights, Part, Projection
 from .attention import AttentionMetadata
 from .quant import QuantizedLinear, QuantizedParts
 
@@ -57,8 +57,6 @@ def forget(model: nn.Module) -> None:
 
 def _stack(model: nn.Module, dtype: torch.dtype) -> DecoderStack | None:
     stacks = model.__dict__.setdefault("_cpu_stacks", {})
-    if dtype not in stacks and any(isinstance(m, QuantizedParts) for m in model.modules()):
-        stacks[dtype] = None  # a projection of several products: not one C linear
     if dtype not in stacks:
         layers = [_layer_weights(layer) for layer in model.layers]
         attn = model.layers[0].self_attn
@@ -79,8 +77,14 @@ def _layer_weights(layer: nn.Module) -> LayerWeights:
 
 
 def _projection(module: nn.Module) -> Projection:
+    if isinstance(module, QuantizedParts):  # one product per block format
+        return Projection([_part(part) for part in module.parts])
+    return Projection([_part(module)])
+
+
+def _part(module: nn.Module) -> Part:
     bias = getattr(module, "bias", None)
     bias = None if bias is None else bias.data
     if isinstance(module, QuantizedLinear):
-        return Projection(module.qweight, bias)
-    return Projection(module.weight.data, bias)
+        return Part(module.qweight, bias)
+    return Part(module.weight.data, bias)

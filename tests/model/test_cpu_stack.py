@@ -68,6 +68,51 @@ def test_stack_takes_each_activation_format(cpu_isa, tmp_path, monkeypatch, act)
     _compare(load_model(path, dtype="float32", quantization="int8"), monkeypatch)
 
 
+def _gguf_tensors(path, types: dict[str, str]) -> dict:
+    """The checkpoint's linear weights as GGUF tensors (what use_file_blocks reads), each
+    projection (q_proj, v_proj, down_proj, ...) in the block type `types` names, Q4_K if none."""
+    from types import SimpleNamespace
+
+    from gguf import GGMLQuantizationType
+    from safetensors.torch import load_file
+
+    from specserve.kernels.quant_reference import quantize
+
+    tensors = {}
+    for name, w in load_file(str(path / "model.safetensors")).items():
+        if name.endswith("proj.weight"):
+            fmt = types.get(name.split(".")[-2], "Q4_K")
+            tensors[name] = SimpleNamespace(ggml_type=GGMLQuantizationType[fmt],
+                                            shape=tuple(w.shape),
+                                            raw=quantize(w, fmt).blocks.numpy())
+    return tensors
+
+
+# A Q4_K_M-like mix with a part per format: q/k/v as three products (q Q4_K, k Q6_K, v Q4_K
+# again), gate/up as two; o and down one each.
+MIXED = {"k_proj": "Q6_K", "up_proj": "Q6_K", "down_proj": "Q6_K"}
+
+
+@pytest.mark.parametrize("arch,dtype,act", [
+    ("llama", "bfloat16", "q16"),
+    ("qwen2", "float32", "q8"),  # q/k/v biases, cut at the parts' rows
+    ("llama", "float32", "fp32"),
+])
+def test_stack_runs_projections_of_several_formats(cpu_isa, tmp_path, monkeypatch, arch, dtype,
+                                                   act):
+    from specserve.model.quant import QuantizedParts, use_file_blocks
+
+    monkeypatch.setenv("SPECSERVE_QUANT_ACT", act)
+    path = save_model(tmp_path / arch, arch, seed=5, hidden_size=256, intermediate_size=256,
+                      num_attention_heads=4, num_key_value_heads=2)
+    model = load_model(path, dtype=dtype)
+    use_file_blocks(model, _gguf_tensors(path, MIXED))
+    qkv, gate_up = model.layers[0].self_attn.qkv_proj, model.layers[0].mlp.gate_up_proj
+    assert isinstance(qkv, QuantizedParts) and len(qkv.parts) == 3
+    assert isinstance(gate_up, QuantizedParts) and len(gate_up.parts) == 2
+    _compare(model, monkeypatch)
+
+
 def test_fp32_dense_weights_go_layer_by_layer(tiny_target, monkeypatch):
     model = load_model(tiny_target, dtype="float32")
     calls = []
@@ -161,7 +206,7 @@ def test_silu_mul_exponential_range_and_special_values(cpu_isa):
 
 def test_stack_is_dropped_for_unsupported_weights():
     norm = torch.ones(16, dtype=torch.bfloat16)
-    dense = cpu_decoder.Projection(torch.zeros(16, 16), None)  # fp32: F.linear's
+    dense = cpu_decoder.Projection([cpu_decoder.Part(torch.zeros(16, 16), None)])  # fp32
     layer = cpu_decoder.LayerWeights(norm, norm, dense, dense, dense, dense)
     assert "bf16" in DecoderStack.unsupported([layer], torch.bfloat16, 16)
     with pytest.raises(ValueError, match="DecoderStack"):
