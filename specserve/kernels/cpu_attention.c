@@ -3,7 +3,11 @@
  * The same contract as paged_attention_reference (reference.py): query row t of request b
  * (local index i) attends to the request's cached positions [0, context_lens[b]) and to new
  * position context_lens[b] + j when local_mask[t, j] (j <= i when there is no mask), K/V read
- * through the block table. Scores, softmax and the weighted sum are in fp32 (q.k products of
+ * through the block table; on a sliding-window layer (window > 0: Gemma 3's local layers) a
+ * query at rotary position P sees only keys at positions > P - window, a cached position i
+ * being at i and a new one at its own row's position (a tree node sits at root + depth), as
+ * masked_attention (specserve/model/attention.py) masks them. Scores, softmax and the
+ * weighted sum are in fp32 (q.k products of
  * bf16 values are exact in fp32, computed as IEEE fp32 multiply-adds like the reference; only
  * the summation order differs), probabilities are normalised before the weighted sum, and
  * the output is rounded to bf16 as the reference's `.to(q.dtype)` does. Masked positions never
@@ -131,15 +135,17 @@ static void attend_head(const float *qf, const float *const *k_rows, const float
 }
 
 /* q, caches and out all bf16 (is_f32 = 0) or all fp32 (is_f32 = 1: the default GGUF model runs
- * its non-quantized tensors in fp32); the arithmetic is the same fp32 either way. Returns 0, or
- * -1 when a scratch buffer could not be allocated. */
+ * its non-quantized tensors in fp32); the arithmetic is the same fp32 either way. window: 0 for
+ * global attention, else the sliding window, positions [T] then the rows' rotary positions
+ * (NULL allowed without a window). Returns 0, or -1 when a scratch buffer could not be
+ * allocated. */
 int paged_attention(const void *q, const void *k_cache, const void *v_cache, int is_f32,
-                           const int32_t *block_tables, int64_t max_blocks,
-                           const int32_t *query_start_loc, const int32_t *context_lens,
-                           const uint8_t *local_mask, int64_t max_query_len,
-                           int64_t num_requests, int64_t num_q_heads, int64_t num_kv_heads,
-                           int64_t head_dim, int64_t block_size, float scale, void *out,
-                           int num_threads) {
+                    const int32_t *block_tables, int64_t max_blocks,
+                    const int32_t *query_start_loc, const int32_t *context_lens,
+                    const uint8_t *local_mask, int64_t max_query_len, int64_t num_requests,
+                    int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
+                    int64_t block_size, float scale, const int64_t *positions, int64_t window,
+                    void *out, int num_threads) {
     const size_t elem = is_f32 ? sizeof(float) : sizeof(uint16_t);
     const char *qb = q, *kb = k_cache, *vb = v_cache;
     char *ob = out;
@@ -202,11 +208,21 @@ int paged_attention(const void *q, const void *k_cache, const void *v_cache, int
             const int64_t n_new = query_start_loc[b + 1] - query_start_loc[b];
             const int64_t i1 = n_new - i0 < row_block ? n_new : i0 + row_block;
             const int32_t *table = block_tables + b * max_blocks;
+            const int64_t first_row = query_start_loc[b] + i0;
             /* Positions any of rows [i0, i1) may see: causal, up to the last row's own; under a
-             * mask, any new position. */
+             * mask, any new position; in a window, no cached one at or before the lowest row
+             * position minus the window. */
             const int64_t seen = ctx + (local_mask ? n_new : i1);
+            int64_t from = 0;
+            if (window > 0) {
+                int64_t lowest = positions[first_row];
+                for (int64_t t = first_row + 1; t < first_row + (i1 - i0); t++)
+                    lowest = positions[t] < lowest ? positions[t] : lowest;
+                from = lowest - window + 1;
+                from = from < 0 ? 0 : (from > ctx ? ctx : from);
+            }
             if (!is_f32)
-                for (int64_t p = 0; p < seen; p++) {
+                for (int64_t p = from; p < seen; p++) {
                     const int64_t slot = (int64_t)table[p / block_size] * block_size
                                          + p % block_size;
                     const int64_t at = (slot * num_kv_heads + kv_head) * D;
@@ -217,11 +233,15 @@ int paged_attention(const void *q, const void *k_cache, const void *v_cache, int
                 const int64_t t = query_start_loc[b] + i;
                 /* Visible positions, in position order. */
                 int64_t n = 0;
-                for (int64_t p = 0; p < seen; p++) {
+                for (int64_t p = from; p < seen; p++) {
                     if (p >= ctx) {
                         const int64_t j = p - ctx;
                         const int visible = local_mask ? local_mask[t * max_query_len + j] : j <= i;
                         if (!visible) continue;
+                    }
+                    if (window > 0) {
+                        const int64_t key = p < ctx ? p : positions[query_start_loc[b] + p - ctx];
+                        if (positions[t] - key >= window) continue;
                     }
                     if (is_f32) {
                         const int64_t slot = (int64_t)table[p / block_size] * block_size

@@ -3,8 +3,10 @@ of cpu_build).
 
 Same arguments and result as `paged_attention_reference` and `store_kv_reference`, for bf16 or
 fp32 tensors; the dispatcher in `__init__.py` sends CPU calls here when the kernel library is
-built. At decode the reference store is a handful of indexing
-ops (~85 us per layer on a 2-core Zen 3), the kernel one copy per row.
+built. `paged_attention_cpu` also takes a sliding window (the rows' positions beside it): the
+mask of `masked_attention` in specserve/model/attention.py, its reference. At decode the
+reference store is a handful of indexing ops (~85 us per layer on a 2-core Zen 3), the kernel
+one copy per row.
 """
 
 from __future__ import annotations
@@ -58,14 +60,20 @@ def paged_attention_cpu(
     max_query_len: int,
     *,
     checked: bool = False,  # the caller found unsupported(q, k_cache, v_cache) None already
+    window: int | None = None,  # a query at position p sees keys at positions > p - window
+    positions: torch.Tensor | None = None,  # [T] the rows' rotary positions, with a window
 ) -> torch.Tensor:  # [T, Hq, D] q's dtype
     """Runs once per layer per step: a few attribute checks (once: see `checked`), then one C
     call (no tensor ops beyond the output allocation; each costs microseconds on CPU)."""
     reason = None if checked else unsupported(q, k_cache, v_cache)
+    if reason is None and window is not None and (positions is None or window < 1):
+        reason = "a sliding window of at least 1, with the rows' positions"
     if reason is not None:
         raise ValueError(f"paged_attention_cpu: {reason}")
     lib = library()
     q = q.contiguous()
+    if window is not None:
+        positions = positions.to(torch.int64).contiguous()
     tables, starts, contexts, mask = kernel_metadata(block_tables, query_start_loc, context_lens,
                                                      local_mask)
     _, block_size, num_kv_heads, head_dim = k_cache.shape
@@ -75,7 +83,8 @@ def paged_attention_cpu(
         tables.data_ptr(), tables.shape[1], starts.data_ptr(), contexts.data_ptr(),
         None if mask is None else mask.data_ptr(), 0 if mask is None else mask.shape[1],
         contexts.shape[0], q.shape[1], num_kv_heads, head_dim, block_size, scale,
-        out.data_ptr(), torch.get_num_threads())
+        None if window is None else positions.data_ptr(), window or 0, out.data_ptr(),
+        torch.get_num_threads())
     if status != 0:
         raise MemoryError("paged_attention_cpu: could not allocate its scratch buffers")
     return out

@@ -68,7 +68,8 @@ KERNELS: dict[str, dict[str, Signature]] = {
     "cpu_amx.c": {},  # gemv_bf16 and gemm_bf16 on the amx path
     "cpu_attention.c": {
         "paged_attention": (
-            [_p] * 3 + [_i32, _p, _i64] + [_p] * 3 + [_i64] * 6 + [_f32, _p, _i32], ctypes.c_int),
+            [_p] * 3 + [_i32, _p, _i64] + [_p] * 3 + [_i64] * 6 + [_f32, _p, _i64, _p, _i32],
+            ctypes.c_int),
         "store_kv_rows": ([_p, _p, _i64, _p, _p, _p] + [_i64] * 4, ctypes.c_int),
     },
     "cpu_norm_rope.c": {
@@ -78,6 +79,7 @@ KERNELS: dict[str, dict[str, Signature]] = {
     "cpu_decoder.c": {
         "decoder_layers": ([_p] * 3 + [_i32], ctypes.c_int),
         "silu_mul_rows": ([_p] * 2 + [_i64] * 2 + [_i32] * 2, None),
+        "gelu_tanh_mul_rows": ([_p] * 2 + [_i64] * 2 + [_i32] * 2, None),
     },
     "cpu_quant.c": {
         "quant_matmul": ([_p, _i32, _p, _i32, _i32, _p, _p, _i32] + [_i64] * 3 + [_i32],

@@ -6,13 +6,17 @@
  * as much as a small model's products. `decoder_layers` runs every layer of the stack in one
  * call, each step through the kernel the Python path calls for it (rms_norm_rows, gemv_bf16 /
  * gemm_bf16 or quant_matmul[_int], rotary_rows, store_kv_rows, paged_attention,
- * silu_mul_rows) and the residual adds rounded as torch's adds round, so the stack gives the
- * same bits as specserve/model/architectures.py's layers on the C kernels (the tests compare
- * the two) and keeps their row-count invariance.
+ * silu_mul_rows / gelu_tanh_mul_rows) and the residual adds rounded as torch's adds round, so
+ * the stack gives the same bits as specserve/model/architectures.py's layers on the C kernels
+ * (the tests compare the two) and keeps their row-count invariance.
  *
  * Per layer, x [T, H] the residual stream (updated in place), in the activations' dtype:
- *   h = rms_norm(x) ; qkv = h Wqkv^T (+ b) ; rotate q, k ; store k, v ; a = attention(q)
- *   x = x + a Wo^T ; h = rms_norm(x) ; g = h Wgu^T ; x = x + (silu(g[:I]) * g[I:]) Wd^T
+ *   h = rms_norm(x) ; qkv = h Wqkv^T (+ b) ; [rms_norm each q and k head] ; rotate q, k
+ *   store k, v ; a = attention(q) (over the layer's window on a sliding layer)
+ *   x = x + a Wo^T ; h = rms_norm(x) ; g = h Wgu^T ; x = x + (act(g[:I]) * g[I:]) Wd^T
+ * act is silu (SwiGLU) or gelu's tanh form (GeGLU). Gemma 3's block normalises the attention
+ * and MLP outputs before their adds, with its own norm before the MLP (its "sandwich" norms):
+ *   x = x + rms_norm(a Wo^T) ; h = rms_norm(x) ; ... ; x = x + rms_norm((act * up) Wd^T)
  */
 #include <math.h>
 #include <stdint.h>
@@ -45,19 +49,29 @@ typedef struct {
     int64_t n, k;       /* n: the parts' n summed */
 } linear_desc;
 
+/* Every norm weight in the activations' dtype, as the model holds it (Gemma's 1 + w already
+ * added at load). */
 typedef struct {
-    const void *input_norm, *post_norm; /* [H] in the activations' dtype */
+    const void *input_norm;             /* [H] before attention */
+    const void *post_norm;              /* [H] before the MLP; on the attention output when
+                                         * pre_ff_norm is set (Gemma 3) */
+    const void *pre_ff_norm, *post_ff_norm; /* [H] Gemma 3's MLP input and output norms, or NULL */
+    const void *q_norm, *k_norm;        /* [D] each q / k head's norm (Qwen3, Gemma 3), or NULL */
     linear_desc qkv, o, gate_up, down;  /* qkv rows: q heads, k heads, v heads; gate_up: gate, up */
+    const float *cos, *sin;             /* this layer's rotary tables [max_positions, D / 2] fp32 */
+    int64_t window;                     /* sliding window (positions), or 0: global attention */
 } layer_desc;
+
+enum { GATE_SILU = 0, GATE_GELU_TANH = 1 };
 
 typedef struct {
     const layer_desc *layers;
     int64_t num_layers, hidden, intermediate, num_heads, num_kv_heads, head_dim;
     float eps, scale;                    /* RMSNorm epsilon; softmax scale */
-    const float *cos, *sin;              /* rotary tables [max_positions, head_dim / 2] fp32 */
-    int64_t max_positions;
+    int64_t max_positions;               /* rows of every layer's rotary tables */
     int32_t f32;                         /* activations fp32 (else bf16) */
     int32_t gemm_min_rows;               /* bf16 products of this many rows take gemm_bf16 */
+    int32_t activation;                  /* GATE_SILU or GATE_GELU_TANH */
 } decoder_desc;
 
 /* One forward's inputs, as paged_attention and store_kv_rows take them. */
@@ -75,20 +89,38 @@ typedef struct {
 
 /* Values per unit of work of the gated activation, and the fewest values worth a second
  * thread: about 2 ns a value on a 2-core Zen 3 (a 4096-wide row: 9 us alone, 5 us on two). */
-#define SILU_CHUNK 1024
-#define SILU_PARALLEL_MIN 4096
+#define GATE_CHUNK 1024
+#define GATE_PARALLEL_MIN 4096
 
-/* Values [i0, i1) of row t (constant f32, so the loop vectorizes for each dtype). */
-static inline __attribute__((always_inline)) void silu_mul_span(const void *gate_up, void *y,
-                                                                 int64_t t, int64_t i0,
-                                                                 int64_t i1, int64_t I,
-                                                                 const int f32) {
+/* Values [i0, i1) of row t (constant f32 and gelu, so the loop vectorizes for each). */
+static inline __attribute__((always_inline)) void gated_span(const void *gate_up, void *y,
+                                                              int64_t t, int64_t i0, int64_t i1,
+                                                              int64_t I, const int f32,
+                                                              const int gelu) {
     for (int64_t i = i0; i < i1; i++) {
         const float g = act_load(gate_up, t * 2 * I + i, f32);
-        const float silu = g / (1.0f + exp_f32(-g));
+        /* silu: g sigmoid(g). gelu's tanh form, 0.5 g (1 + tanh(u)) with u = sqrt(2 / pi)
+         * (g + 0.044715 g^3), as g sigmoid(2u): the same function (1 + tanh u = 2 sigmoid(2u))
+         * without the cancellation of 1 + tanh u where u is far below zero. */
+        const float z = gelu ? 2.0f * (0.797884561f * (g + 0.044715f * (g * g * g))) : g;
+        const float gated = g / (1.0f + exp_f32(-z));
         const float up = act_load(gate_up, t * 2 * I + I + i, f32);
-        /* torch's silu returns the activations' dtype: round before the product. */
-        act_save(y, t * I + i, act_round(silu, f32) * up, f32);
+        /* torch's activation returns the activations' dtype: round before the product. */
+        act_save(y, t * I + i, act_round(gated, f32) * up, f32);
+    }
+}
+
+static void gated_rows(const void *gate_up, void *y, int64_t T, int64_t I, int f32, int gelu,
+                       int num_threads) {
+    const int64_t per_row = (I + GATE_CHUNK - 1) / GATE_CHUNK;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (T * I >= GATE_PARALLEL_MIN)
+    for (int64_t c = 0; c < T * per_row; c++) {
+        const int64_t t = c / per_row, i0 = c % per_row * GATE_CHUNK;
+        const int64_t i1 = I - i0 < GATE_CHUNK ? I : i0 + GATE_CHUNK;
+        if (f32 && gelu) gated_span(gate_up, y, t, i0, i1, I, 1, 1);
+        else if (f32) gated_span(gate_up, y, t, i0, i1, I, 1, 0);
+        else if (gelu) gated_span(gate_up, y, t, i0, i1, I, 0, 1);
+        else gated_span(gate_up, y, t, i0, i1, I, 0, 0);
     }
 }
 
@@ -98,14 +130,14 @@ static inline __attribute__((always_inline)) void silu_mul_span(const void *gate
  * Each value on its own: the same results on any number of threads. */
 void silu_mul_rows(const void *gate_up, void *y, int64_t T, int64_t I, int f32,
                    int num_threads) {
-    const int64_t per_row = (I + SILU_CHUNK - 1) / SILU_CHUNK;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (T * I >= SILU_PARALLEL_MIN)
-    for (int64_t c = 0; c < T * per_row; c++) {
-        const int64_t t = c / per_row, i0 = c % per_row * SILU_CHUNK;
-        const int64_t i1 = I - i0 < SILU_CHUNK ? I : i0 + SILU_CHUNK;
-        if (f32) silu_mul_span(gate_up, y, t, i0, i1, I, 1);
-        else silu_mul_span(gate_up, y, t, i0, i1, I, 0);
-    }
+    gated_rows(gate_up, y, T, I, f32, 0, num_threads);
+}
+
+/* As silu_mul_rows with F.gelu(gate, approximate="tanh") (Gemma's GeGLU): within a few ulp of
+ * torch's in fp32 where torch's own 1 + tanh does not cancel. */
+void gelu_tanh_mul_rows(const void *gate_up, void *y, int64_t T, int64_t I, int f32,
+                        int num_threads) {
+    gated_rows(gate_up, y, T, I, f32, 1, num_threads);
 }
 
 /* x += y over n values, each sum rounded to the dtype once (as torch's add). */
@@ -189,8 +221,15 @@ int decoder_layers(const decoder_desc *m, const step_desc *s, void *x, int num_t
         char *v_cache = k_cache + (size_t)cache_len * elem;
         rms_norm_rows(x, layer->input_norm, h, T, H, m->eps, f32);
         if (project(m, s, &layer->qkv, h, qkv, part, num_threads)) { status = -1; break; }
-        if (rotary_rows(qkv, T, qkv_len, m->num_heads + m->num_kv_heads, D, m->cos, m->sin,
-                        m->max_positions, s->positions, f32)) { status = -2; break; }
+        if (layer->q_norm) /* in place: each head's sum of squares is read before it is written */
+            for (int64_t t = 0; t < T; t++) {
+                char *row = qkv + t * qkv_len * elem;
+                rms_norm_rows(row, layer->q_norm, row, m->num_heads, D, m->eps, f32);
+                row += q_len * elem;
+                rms_norm_rows(row, layer->k_norm, row, m->num_kv_heads, D, m->eps, f32);
+            }
+        if (rotary_rows(qkv, T, qkv_len, m->num_heads + m->num_kv_heads, D, layer->cos,
+                        layer->sin, m->max_positions, s->positions, f32)) { status = -2; break; }
         if (store_kv_rows(qkv + q_len * elem, qkv + (q_len + kv_len) * elem, qkv_len, k_cache,
                           v_cache, s->slot_mapping, T, kv_len, num_slots, (int64_t)elem)) {
             status = -3;
@@ -201,17 +240,21 @@ int decoder_layers(const decoder_desc *m, const step_desc *s, void *x, int num_t
         if (paged_attention(q, k_cache, v_cache, f32, s->block_tables, s->max_blocks,
                             s->query_start_loc, s->context_lens, s->local_mask,
                             s->max_query_len, s->num_requests, m->num_heads, m->num_kv_heads, D,
-                            s->block_size, m->scale, a, num_threads)
+                            s->block_size, m->scale, s->positions, layer->window, a, num_threads)
             || project(m, s, &layer->o, a, p, part, num_threads)) {
             status = -1;
             break;
         }
-        add_in_place(x, p, T * H, f32);
-        rms_norm_rows(x, layer->post_norm, h, T, H, m->eps, f32);
+        const int sandwich = layer->pre_ff_norm != NULL;
+        if (sandwich) rms_norm_rows(p, layer->post_norm, h, T, H, m->eps, f32);
+        add_in_place(x, sandwich ? h : p, T * H, f32);
+        rms_norm_rows(x, sandwich ? layer->pre_ff_norm : layer->post_norm, h, T, H, m->eps, f32);
         if (project(m, s, &layer->gate_up, h, g, part, num_threads)) { status = -1; break; }
-        silu_mul_rows(g, act, T, I, f32, num_threads);
+        (m->activation == GATE_GELU_TANH ? gelu_tanh_mul_rows : silu_mul_rows)(g, act, T, I, f32,
+                                                                              num_threads);
         if (project(m, s, &layer->down, act, p, part, num_threads)) { status = -1; break; }
-        add_in_place(x, p, T * H, f32);
+        if (sandwich) rms_norm_rows(p, layer->post_ff_norm, h, T, H, m->eps, f32);
+        add_in_place(x, sandwich ? h : p, T * H, f32);
     }
     free(buf);
     return status;

@@ -26,6 +26,7 @@ from .quant_reference import QuantizedWeight
 MAX_ROWS = cpu_linear.INVARIANT_ROWS
 
 _LINEAR_BF16, _LINEAR_QUANT = 0, 1
+ACTIVATIONS = ("silu", "gelu_tanh")  # the gated MLP's, numbered as cpu_decoder.c's GATE_*
 MAX_PARTS = 3  # products per projection (cpu_decoder.c's MAX_PARTS)
 _p, _i32, _i64, _f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
 
@@ -40,15 +41,17 @@ class _Linear(ctypes.Structure):
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("input_norm", _p), ("post_norm", _p), ("qkv", _Linear), ("o", _Linear),
-                ("gate_up", _Linear), ("down", _Linear)]
+    _fields_ = [("input_norm", _p), ("post_norm", _p), ("pre_ff_norm", _p), ("post_ff_norm", _p),
+                ("q_norm", _p), ("k_norm", _p), ("qkv", _Linear), ("o", _Linear),
+                ("gate_up", _Linear), ("down", _Linear), ("cos", _p), ("sin", _p),
+                ("window", _i64)]
 
 
 class _Decoder(ctypes.Structure):
     _fields_ = [("layers", ctypes.POINTER(_Layer)), ("num_layers", _i64), ("hidden", _i64),
                 ("intermediate", _i64), ("num_heads", _i64), ("num_kv_heads", _i64),
-                ("head_dim", _i64), ("eps", _f32), ("scale", _f32), ("cos", _p), ("sin", _p),
-                ("max_positions", _i64), ("f32", _i32), ("gemm_min_rows", _i32)]
+                ("head_dim", _i64), ("eps", _f32), ("scale", _f32), ("max_positions", _i64),
+                ("f32", _i32), ("gemm_min_rows", _i32), ("activation", _i32)]
 
 
 class _Step(ctypes.Structure):
@@ -82,12 +85,26 @@ class Projection:
 
 @dataclass
 class LayerWeights:
+    """One layer's weights as the model holds them (norm weights in the activations' dtype,
+    Gemma's 1 + w already added) and its attention's rotary tables and window."""
+
     input_norm: torch.Tensor  # [H]
-    post_norm: torch.Tensor  # [H]
+    post_norm: torch.Tensor  # [H] before the MLP; Gemma 3: on the attention output
     qkv: Projection  # rows: q heads, k heads, v heads
     o: Projection
     gate_up: Projection  # rows: gate, then up
     down: Projection
+    cos: torch.Tensor  # [max_positions, D / 2] fp32: this layer's rotary tables
+    sin: torch.Tensor  # [max_positions, D / 2] fp32
+    q_norm: torch.Tensor | None = None  # [D] each q head's RMSNorm (Qwen3, Gemma 3)
+    k_norm: torch.Tensor | None = None  # [D] each k head's
+    pre_ff_norm: torch.Tensor | None = None  # [H] Gemma 3's norm before the MLP
+    post_ff_norm: torch.Tensor | None = None  # [H] Gemma 3's norm on the MLP output
+    window: int | None = None  # a sliding layer's window; None: global attention
+
+    def norms(self) -> list[torch.Tensor]:
+        return [n for n in (self.input_norm, self.post_norm, self.q_norm, self.k_norm,
+                            self.pre_ff_norm, self.post_ff_norm) if n is not None]
 
 
 def enabled() -> bool:
@@ -109,14 +126,24 @@ def library():
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     """gate_up [T, 2I] bf16 or fp32 on CPU -> silu(gate) * up [T, I] (as torch computes it, the
     exponential aside), or None when the kernel does not apply."""
+    return _gated(gate_up, "silu_mul_rows")
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """gate_up [T, 2I] -> F.gelu(gate, approximate="tanh") * up [T, I] (Gemma's GeGLU; gelu
+    within a few fp32 ulp of torch's), or None when the kernel does not apply."""
+    return _gated(gate_up, "gelu_tanh_mul_rows")
+
+
+def _gated(gate_up: torch.Tensor, kernel: str) -> torch.Tensor | None:
     lib = library()
     if (lib is None or gate_up.device.type != "cpu" or gate_up.dim() != 2
             or gate_up.dtype not in cpu_norm_rope.DTYPES or gate_up.shape[1] % 2):
         return None
     gate_up = gate_up.contiguous()
     out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
-    lib.silu_mul_rows(gate_up.data_ptr(), out.data_ptr(), out.shape[0], out.shape[1],
-                      gate_up.dtype == torch.float32, torch.get_num_threads())
+    getattr(lib, kernel)(gate_up.data_ptr(), out.data_ptr(), out.shape[0], out.shape[1],
+                         gate_up.dtype == torch.float32, torch.get_num_threads())
     return out
 
 
@@ -125,20 +152,24 @@ class DecoderStack:
     built for these weights (None when it can)."""
 
     def __init__(self, layers: list[LayerWeights], *, num_heads: int, num_kv_heads: int,
-                 head_dim: int, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                 dtype: torch.dtype) -> None:
+                 head_dim: int, eps: float, dtype: torch.dtype, scale: float | None = None,
+                 activation: str = "silu") -> None:
+        """scale: the attention's softmax scale (None: head_dim ** -0.5); activation: the gated
+        MLP's, one of ACTIVATIONS."""
         reason = self.unsupported(layers, dtype, head_dim)
+        if reason is None and activation not in ACTIVATIONS:
+            reason = f"activation {activation!r}: expected one of {', '.join(ACTIVATIONS)}"
         if reason is not None:
             raise ValueError(f"DecoderStack: {reason}")
         self.dtype = dtype
-        self._keep: list[torch.Tensor] = [cos, sin]  # every tensor the C side points into
+        self._keep: list[torch.Tensor] = []  # every tensor the C side points into
         self._layers = (_Layer * len(layers))(*(self._layer(w) for w in layers))
         first = layers[0]
         self._desc = _Decoder(
             ctypes.cast(self._layers, ctypes.POINTER(_Layer)), len(layers),
             first.input_norm.shape[0], first.down.in_features, num_heads, num_kv_heads,
-            head_dim, eps, head_dim ** -0.5, cos.data_ptr(), sin.data_ptr(), cos.shape[0],
-            dtype == torch.float32, cpu_linear.GEMM_MIN_ROWS)
+            head_dim, eps, head_dim ** -0.5 if scale is None else scale, first.cos.shape[0],
+            dtype == torch.float32, cpu_linear.GEMM_MIN_ROWS, ACTIVATIONS.index(activation))
 
     @staticmethod
     def unsupported(layers: list[LayerWeights], dtype: torch.dtype, head_dim: int) -> str | None:
@@ -148,10 +179,20 @@ class DecoderStack:
             return f"activations must be bf16 or fp32, not {dtype}"
         if head_dim % 16:
             return f"head_dim {head_dim} must be a multiple of 16 (the attention kernel's)"
+        tables = layers[0].cos.shape
         for w in layers:
-            for norm in (w.input_norm, w.post_norm):
+            for norm in w.norms():
                 if norm.dtype != dtype or not norm.is_contiguous() or norm.device.type != "cpu":
                     return "the norms' weights must be contiguous CPU tensors of the dtype"
+            if (w.q_norm is None) != (w.k_norm is None) or (
+                    (w.pre_ff_norm is None) != (w.post_ff_norm is None)):
+                return "q and k norms go together, and so do the MLP's input and output norms"
+            for table in (w.cos, w.sin):
+                if (table.dtype != torch.float32 or not table.is_contiguous()
+                        or table.shape != tables or tables[1] * 2 != head_dim):
+                    return "rotary tables must be contiguous fp32 [max_positions, head_dim / 2]"
+            if w.window is not None and w.window < 1:
+                return f"a sliding window of {w.window} positions"
             for proj in (w.qkv, w.o, w.gate_up, w.down):
                 if not 1 <= len(proj.parts) <= MAX_PARTS:
                     return f"a projection of {len(proj.parts)} parts (1 to {MAX_PARTS} run)"
@@ -169,9 +210,11 @@ class DecoderStack:
         return None
 
     def _layer(self, w: LayerWeights) -> _Layer:
-        self._keep += [w.input_norm, w.post_norm]
-        return _Layer(w.input_norm.data_ptr(), w.post_norm.data_ptr(),
-                      *(self._linear(p) for p in (w.qkv, w.o, w.gate_up, w.down)))
+        self._keep += [*w.norms(), w.cos, w.sin]
+        norms = [None if n is None else n.data_ptr() for n in (
+            w.input_norm, w.post_norm, w.pre_ff_norm, w.post_ff_norm, w.q_norm, w.k_norm)]
+        return _Layer(*norms, *(self._linear(p) for p in (w.qkv, w.o, w.gate_up, w.down)),
+                      w.cos.data_ptr(), w.sin.data_ptr(), w.window or 0)
 
     def _linear(self, proj: Projection) -> _Linear:
         parts = [self._part(part) for part in proj.parts]

@@ -22,12 +22,15 @@ int rotary_rows(void *x, int64_t T, int64_t row_stride, int64_t num_heads, int64
                 const int64_t *positions, int f32);
 void silu_mul_rows(const void *gate_up, void *y, int64_t T, int64_t I, int f32,
                    int num_threads);
+void gelu_tanh_mul_rows(const void *gate_up, void *y, int64_t T, int64_t I, int f32,
+                        int num_threads);
 int paged_attention(const void *q, const void *k_cache, const void *v_cache, int is_f32,
                     const int32_t *block_tables, int64_t max_blocks,
                     const int32_t *query_start_loc, const int32_t *context_lens,
                     const uint8_t *local_mask, int64_t max_query_len, int64_t num_requests,
                     int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
-                    int64_t block_size, float scale, void *out, int num_threads);
+                    int64_t block_size, float scale, const int64_t *positions, int64_t window,
+                    void *out, int num_threads);
 int store_kv_rows(const void *key, const void *value, int64_t row_stride, void *k_cache,
                   void *v_cache, const int64_t *slot_mapping, int64_t T, int64_t row_len,
                   int64_t num_slots, int64_t elem_bytes);

@@ -5,9 +5,10 @@ slot mapping and attends through the block tables. The kernels package chooses t
 on CUDA and the PyTorch reference on CPU, so the model code never branches on the device.
 
 A sliding window (Gemma 3's local layers: a query at position p sees keys at positions
-> p - window), which the kernels do not take, runs in `masked_attention` (PyTorch, any device)
-once some query of the forward is past it; before that the window hides nothing and the kernels
-run. The window is masking only: blocks that slid out of every window stay allocated until the
+> p - window) runs in the C kernel on CPU (cpu_attention.c masks it, as the C layer stack does)
+and elsewhere in `masked_attention` (PyTorch, any device; the C kernel's reference) once some
+query of the forward is past it; before that the window hides nothing and the kernels run.
+The window is masking only: blocks that slid out of every window stay allocated until the
 request ends.
 
 Layout of one request's KV positions during a step (block size 16 shown, `|` = block boundary):
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from specserve.kernels import paged_attention, store_kv
+from specserve.kernels import cpu_attention, paged_attention, store_kv
 from specserve.kernels.reference import gather_request_kv
 
 
@@ -67,10 +68,13 @@ class PagedAttention(nn.Module):
             top = meta.max_position
             top = (int(positions.max()) if len(positions) else 0) if top is None else top
             window = window if top >= window else None  # no key is out of any query's window
+        args = (q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens,
+                meta.local_mask, self.scale, meta.max_query_len)
         if window is None:
-            return paged_attention(q, k_cache, v_cache, meta.block_tables,
-                                   meta.query_start_loc, meta.context_lens, meta.local_mask,
-                                   self.scale, meta.max_query_len)
+            return paged_attention(*args)
+        if cpu_attention.supports(q, k_cache, v_cache):
+            return cpu_attention.paged_attention_cpu(*args, checked=True, window=window,
+                                                     positions=positions)
         return masked_attention(q, k_cache, v_cache, meta, positions, self.scale, window)
 
 

@@ -5,10 +5,11 @@ chunks): it hands the whole stack of layers to `kernels.cpu_decoder.DecoderStack
 the same kernels the layers would, in the same order, without the Python dispatch between
 them. It returns None, and the layers run one by one, when the stack does not apply: CUDA,
 tensor parallelism (the row-parallel products all-reduce between layers), more than
-cpu_decoder.MAX_ROWS rows, weights the kernels do not take (fp32 dense projections), a block
-the C layer does not have (Qwen3's and Gemma 3's q/k norms, Gemma's block norms, GeGLU, sliding
-windows, another attention scale: `stack_runs`), no kernel library, or
-SPECSERVE_CPU_STACK=0.
+cpu_decoder.MAX_ROWS rows, weights the kernels do not take (fp32 dense projections), no kernel
+library, or SPECSERVE_CPU_STACK=0. Every family's block runs in it: Llama's, Qwen2's biases,
+Qwen3's q/k norms, Gemma 3's (q/k norms, norms around attention and MLP, GeGLU, its attention
+scale, sliding-window layers with their own rotary tables); a fused projection whose parts
+have different block formats runs one product per part.
 
 The stack is built at the first forward that can use it and points into the model's weights:
 moving the model (`.to()`, which goes through `_apply`) drops it, and the weights are not
@@ -30,7 +31,7 @@ def run_layers(model: nn.Module, x: torch.Tensor, positions: torch.Tensor,
                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
     """x [T, H] -> the last layer's output [T, H] through the C stack, or None."""
     if (x.device.type != "cpu" or x.shape[0] > cpu_decoder.MAX_ROWS or model.shard.is_split
-            or not cpu_decoder.enabled() or not stack_runs(model.spec)):
+            or not cpu_decoder.enabled()):
         return None
     lib = cpu_decoder.library()
     if lib is None:
@@ -43,13 +44,6 @@ def run_layers(model: nn.Module, x: torch.Tensor, positions: torch.Tensor,
                      meta.max_query_len)
 
 
-def stack_runs(spec) -> bool:
-    """Whether the C layer (cpu_decoder.c: RMSNorm, fused q/k/v with rotary, paged attention at
-    head_dim ** -0.5, SwiGLU) computes this architecture's blocks."""
-    return not (spec.qk_norm or spec.sandwich_norms or spec.mlp_activation != "silu"
-                or bool(spec.layer_windows) or spec.attn_scale is not None)
-
-
 def forget(model: nn.Module) -> None:
     """Drop the model's stack (its weights moved)."""
     model.__dict__.pop("_cpu_stacks", None)
@@ -58,22 +52,34 @@ def forget(model: nn.Module) -> None:
 def _stack(model: nn.Module, dtype: torch.dtype) -> DecoderStack | None:
     stacks = model.__dict__.setdefault("_cpu_stacks", {})
     if dtype not in stacks:
-        layers = [_layer_weights(layer) for layer in model.layers]
-        attn = model.layers[0].self_attn
+        layers = [_layer_weights(model, layer) for layer in model.layers]
+        first = model.layers[0]
+        attn = first.self_attn
         buildable = DecoderStack.unsupported(layers, dtype, attn.head_dim) is None
         stacks[dtype] = DecoderStack(
             layers, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
-            head_dim=attn.head_dim, eps=model.layers[0].input_layernorm.eps,
-            cos=model.rotary.cos, sin=model.rotary.sin, dtype=dtype) if buildable else None
+            head_dim=attn.head_dim, eps=first.input_layernorm.eps, dtype=dtype,
+            scale=attn.attn.scale, activation=first.mlp.activation) if buildable else None
     return stacks[dtype]
 
 
-def _layer_weights(layer: nn.Module) -> LayerWeights:
+def _layer_weights(model: nn.Module, layer: nn.Module) -> LayerWeights:
     attn, mlp = layer.self_attn, layer.mlp
-    return LayerWeights(layer.input_layernorm.weight.data,
-                        layer.post_attention_layernorm.weight.data,
+    # The rotary tables DecoderLM.forward gives this layer: Gemma's sliding layers have theirs.
+    rotary = (model.rotary_local if layer.window is not None and model.rotary_local is not None
+              else model.rotary)
+    return LayerWeights(_weight(layer.input_layernorm), _weight(layer.post_attention_layernorm),
                         _projection(attn.qkv_proj), _projection(attn.o_proj),
-                        _projection(mlp.gate_up_proj), _projection(mlp.down_proj))
+                        _projection(mlp.gate_up_proj), _projection(mlp.down_proj),
+                        rotary.cos, rotary.sin, q_norm=_weight(attn.q_norm),
+                        k_norm=_weight(attn.k_norm),
+                        pre_ff_norm=_weight(layer.pre_feedforward_layernorm),
+                        post_ff_norm=_weight(layer.post_feedforward_layernorm),
+                        window=layer.window)
+
+
+def _weight(norm: nn.Module | None) -> torch.Tensor | None:
+    return None if norm is None else norm.weight.data
 
 
 def _projection(module: nn.Module) -> Projection:

@@ -84,11 +84,9 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2I]
-        if self.activation == "gelu_tanh":
+        gelu = self.activation == "gelu_tanh"
+        activated = (cpu_decoder.gelu_tanh_mul if gelu else cpu_decoder.silu_mul)(gate_up)
+        if activated is None:  # not in C
             gate, up = gate_up.chunk(2, dim=-1)
-            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
-        activated = cpu_decoder.silu_mul(gate_up)  # in C, or None
-        if activated is None:
-            gate, up = gate_up.chunk(2, dim=-1)
-            activated = F.silu(gate) * up
+            activated = (F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)) * up
         return self.down_proj(activated)

@@ -109,6 +109,53 @@ def test_a_chain_row_equals_the_same_token_decoded_alone(num_q_heads, num_kv_hea
         assert torch.equal(alone[0], together[i]), f"chain row {i}"
 
 
+def _positions(reqs: list) -> torch.Tensor:  # [T] int64
+    """Each new row's rotary position: its request's context plus its depth (a tree node's
+    ancestors before it, a causal row's earlier rows)."""
+    return torch.cat([ctx + mask.sum(-1).long() - 1 for ctx, mask in reqs])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("window", [1, 4, 9, 40, 1000])
+def test_a_sliding_window_matches_the_masked_reference(window, dtype):
+    """Sliding-window layers (Gemma 3): keys at positions <= p - window hidden from a query at
+    p, trees windowed by depth, against masked_attention (the model's own PyTorch path); a
+    window wider than every context is the plain kernel's result, bit for bit."""
+    from specserve.model.attention import AttentionMetadata, masked_attention
+
+    reqs = requests(5)
+    batch = make_batch(reqs, num_q_heads=8, num_kv_heads=2, head_dim=64, dtype=dtype)
+    positions = _positions(reqs)
+    out = cpu_attention.paged_attention_cpu(*batch.args(), window=window, positions=positions)
+    meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), batch.block_tables,
+                             batch.query_start_loc, batch.context_lens, batch.local_mask,
+                             batch.max_query_len)
+    ref = masked_attention(batch.q, batch.k_cache, batch.v_cache, meta, positions, batch.scale,
+                           window)
+    assert not out.isnan().any()
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+    if window == 1000:
+        assert torch.equal(out, paged_attention(*batch.args(), impl="cpu"))
+    with pytest.raises(ValueError, match="sliding window"):
+        cpu_attention.paged_attention_cpu(*batch.args(), window=window)
+
+
+def test_a_windowed_row_equals_the_same_token_decoded_alone():
+    """Row-count invariance under a window: the rows of a prompt chunk past the window, each
+    bit-identical to that token decoded alone over the same cache."""
+    chunk = make_batch([(40, causal(7)), (300, DECODE)], num_q_heads=4, num_kv_heads=2,
+                       head_dim=64, dtype=torch.bfloat16)
+    positions = torch.tensor([*range(40, 47), 300])
+    together = cpu_attention.paged_attention_cpu(*chunk.args(), window=16, positions=positions)
+    for i in range(7):
+        alone = cpu_attention.paged_attention_cpu(
+            chunk.q[i : i + 1], chunk.k_cache, chunk.v_cache, chunk.block_tables[:1],
+            torch.tensor([0, 1], dtype=torch.int32), torch.tensor([40 + i], dtype=torch.int32),
+            None, chunk.scale, 1, window=16, positions=positions[i : i + 1])
+        assert torch.equal(alone[0], together[i]), f"chunk row {i}"
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_store_kv_matches_the_reference_on_views_of_the_fused_projection(dtype):
     from specserve.kernels import store_kv

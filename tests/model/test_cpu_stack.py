@@ -1,5 +1,8 @@
 """The decoder's layers as one C call (model/cpu_stack.py, kernels/cpu_decoder.c) give the same
-bits as the layers run one by one on the same kernels, on every C path of this CPU."""
+bits as the layers run one by one on the same kernels, on every C path of this CPU: every
+family's block (Qwen3's q/k norms; Gemma 3's norms, GeGLU, attention scale and sliding windows,
+the prompt already past the tiny model's window of 8), dense or quantized weights, fused
+projections of several block formats."""
 
 from __future__ import annotations
 
@@ -54,6 +57,11 @@ def _compare(model, monkeypatch) -> None:
     ("llama", "float32", "int8"),
     ("qwen2", "float32", "int4"),
     ("llama", "bfloat16", "q4_0"),
+    ("qwen3", "bfloat16", None),  # q/k norms
+    ("qwen3", "float32", "int8"),
+    ("gemma3", "bfloat16", None),  # sandwich norms, GeGLU, scale, windows, local rotary
+    ("gemma3", "float32", "int4"),
+    ("gemma3", "bfloat16", "q8_0"),
 ])
 def test_stack_equals_the_layers_one_by_one(cpu_isa, tmp_path, monkeypatch,
                                             arch, dtype, quantization):
@@ -61,10 +69,11 @@ def test_stack_equals_the_layers_one_by_one(cpu_isa, tmp_path, monkeypatch,
     _compare(load_model(path, dtype=dtype, quantization=quantization), monkeypatch)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
 @pytest.mark.parametrize("act", ["q8", "fp32"])
-def test_stack_takes_each_activation_format(cpu_isa, tmp_path, monkeypatch, act):
+def test_stack_takes_each_activation_format(cpu_isa, tmp_path, monkeypatch, act, arch):
     monkeypatch.setenv("SPECSERVE_QUANT_ACT", act)
-    path = save_model(tmp_path / "m", "llama", seed=4)
+    path = save_model(tmp_path / "m", arch, seed=4)
     _compare(load_model(path, dtype="float32", quantization="int8"), monkeypatch)
 
 
@@ -173,6 +182,28 @@ def test_silu_mul_matches_torch(cpu_isa, dtype):
         torch.testing.assert_close(got, want, rtol=4e-7, atol=1e-30)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gelu_tanh_mul_matches_torch(cpu_isa, dtype):
+    """GeGLU: within a few fp32 ulp of torch's where torch's 1 + tanh keeps its bits (g > -1);
+    below, where it cancels (every bit at g < -6), within 2^-7 relative or 1e-6 absolute."""
+    gate_up = (torch.randn(5, 2 * 300, generator=torch.Generator().manual_seed(2)) * 3).to(dtype)
+    got = cpu_decoder.gelu_tanh_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    want = F.gelu(gate, approximate="tanh") * up
+    assert got.dtype == dtype and got.shape == want.shape
+    near = gate > -1
+    if dtype == torch.bfloat16:
+        torch.testing.assert_close(got[near], want[near], rtol=2 ** -7, atol=0)
+        assert (got == want)[near].float().mean() > 0.99
+    else:
+        torch.testing.assert_close(got[near], want[near], rtol=1e-6, atol=1e-30)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-6)
+    special = torch.tensor([float("nan"), float("inf"), 0.0, -0.0, 20.0, -20.0, 1e-30, -1e-30])
+    got = cpu_decoder.gelu_tanh_mul(torch.cat([special, torch.ones_like(special)])[None])[0]
+    torch.testing.assert_close(got, F.gelu(special, approximate="tanh"), rtol=0, atol=0,
+                               equal_nan=True)
+
+
 def test_silu_mul_is_the_same_on_any_thread_count(cpu_isa):
     gate_up = torch.randn(5, 2 * 4099, generator=torch.Generator().manual_seed(1)).to(
         torch.bfloat16)  # rows of 4099: chunks split inside rows, a ragged last one
@@ -207,8 +238,9 @@ def test_silu_mul_exponential_range_and_special_values(cpu_isa):
 def test_stack_is_dropped_for_unsupported_weights():
     norm = torch.ones(16, dtype=torch.bfloat16)
     dense = cpu_decoder.Projection([cpu_decoder.Part(torch.zeros(16, 16), None)])  # fp32
-    layer = cpu_decoder.LayerWeights(norm, norm, dense, dense, dense, dense)
+    layer = cpu_decoder.LayerWeights(norm, norm, dense, dense, dense, dense, torch.ones(4, 8),
+                                     torch.zeros(4, 8))
     assert "bf16" in DecoderStack.unsupported([layer], torch.bfloat16, 16)
     with pytest.raises(ValueError, match="DecoderStack"):
         DecoderStack([layer], num_heads=1, num_kv_heads=1, head_dim=16, eps=1e-6,
-                     cos=torch.ones(4, 8), sin=torch.zeros(4, 8), dtype=torch.bfloat16)
+                     dtype=torch.bfloat16)

@@ -1,6 +1,7 @@
 """Qwen3 and Gemma 3 through the engine: greedy ids equal transformers' and equal with
 speculation on (a draft of the same family, n-gram lookup) and off, batched, on the paged KV
-cache; logits on every CPU kernel path; the C layer stack declines their blocks."""
+cache; logits on every CPU kernel path (tests/model/test_cpu_stack.py: the C layer stack gives
+the layers' own bits on these blocks)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import pytest
 import torch
 
 from specserve import LLM, SamplingParams
-from specserve.model import cpu_stack
 from specserve.model.loader import load_model
 from specserve.model.runner import ModelRunner, Segment
 from tests.tiny_models import save_model
@@ -68,8 +68,8 @@ def test_greedy_equals_transformers_with_speculation_on_and_off(family):
 
 
 def test_logits_on_every_cpu_path(family, cpu_isa):
-    """Prefill then decode past the window, on the C kernels of `cpu_isa` (and the stack
-    declining these blocks), against transformers."""
+    """Prefill then decode past the window, on the C kernels of `cpu_isa` (fp32 dense weights:
+    layer by layer), against transformers."""
     from transformers import AutoModelForCausalLM
 
     _, target, _ = family
@@ -85,12 +85,6 @@ def test_logits_on_every_cpu_path(family, cpu_isa):
     for pos in range(10, 24):
         out = runner.forward([Segment([ids[pos]], [pos], pos, table, [0])])[0]
         torch.testing.assert_close(out[0], ref[pos], atol=2e-5, rtol=0)
-
-
-def test_c_stack_runs_only_the_blocks_it_has(family, tiny_target):
-    _, target, _ = family
-    assert not cpu_stack.stack_runs(load_model(target, dtype="float32").spec)
-    assert cpu_stack.stack_runs(load_model(tiny_target, dtype="float32").spec)
 
 
 def test_tree_nodes_window_by_depth_not_slot(tmp_path):
