@@ -9,7 +9,7 @@ One run, up to three parts (`--parts`: overhead, routing; memory comes with whic
 Ray starts locally, and every engine runs on one torch thread:
 - overhead: `specserve serve` in a child process and one engine replica behind the gateway
   (the gateway's starlette app in a child process, as `specserve serve --replicas` runs it ->
-  the replica through a streaming handle) are up at once and measured in alternating blocks
+  the replica over its stream connection) are up at once and measured in alternating blocks
   over WebSocket, one request at a time: TTFT p50 and per-token time ((e2e - TTFT) /
   (tokens - 1)) of one short prompt, speculation off (one token per event), the engine's own
   TTFT (from its request's arrival to its first token: what the engine's process adds, apart

@@ -2,10 +2,11 @@
 page, /health, /metrics), around a `ClusterEngine` instead of an `AsyncEngine`, served by
 uvicorn in the process that calls `gateway_server` (`specserve serve --replicas N`).
 
-Each turn streams from an engine replica through this process's deployment handle, so a token
-crosses one hop (replica -> here) before its client. The app used to run as a Serve ingress
-deployment behind Serve's HTTP proxy, two hops (replica -> gateway replica -> proxy), which
-cost about 28 ms TTFT and 3.6 ms per token more than one server (bench/RESULTS.md).
+Each turn streams from an engine replica over that replica's connection to this process
+(`channel.py`), so a token crosses one hop (replica -> here) before its client. The app used
+to run as a Serve ingress deployment behind Serve's HTTP proxy, two hops (replica -> gateway
+replica -> proxy), which cost about 28 ms TTFT and 3.6 ms per token more than one server
+(bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from ray import serve
 
 from ..server import ServerLimits, create_app, uvicorn_config
 from ..server.drain import DrainingServer
-from .app import REPLICAS, ClusterOptions
+from .app import REPLICAS, ROUTERS, ClusterOptions
 from .gateway_engine import ClusterEngine
 
 
@@ -24,8 +25,9 @@ def gateway_server(app_name: str, options: ClusterOptions, host: str, port: int,
     SIGINT in the main thread, then a drain as one server's) or to `serve()` in a loop of
     the caller's. The replicas must be up: their facts are read here."""
     handle = serve.get_deployment_handle(REPLICAS, app_name)
-    facts = handle.facts.remote().result()
-    engine = ClusterEngine(handle, facts, options.num_replicas,
+    facts = handle.facts.remote().result()  # also builds the handle's `ReplicaSet`
+    router = ROUTERS[options.routing](**options.router_options)
+    engine = ClusterEngine(handle, facts, options.num_replicas, options.stream_token, router,
                            report_period_s=options.stats_period_s)
     limits = ServerLimits.for_engine(engine, **options.limit_overrides)
     app = create_app(engine, limits=limits, **options.app_options)

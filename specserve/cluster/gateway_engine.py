@@ -1,21 +1,15 @@
 """`ClusterEngine`: the gateway's stand-in for `AsyncEngine`, so the routes run unchanged.
 
 It has the face the routes use (`add_request` returning a stream, `abort`, `tokenizer`,
-`model_info`, `limits`, `stats`, `kv_pool`, `num_in_flight`, `start`/`shutdown`), and behind
-it each request is one streaming call to the engine replicas' deployment handle. The router
-(`router.py`) picks the replica; `_pump` puts the replica's deltas on a `RemoteStream`.
+`model_info`, `limits`, `stats`, `kv_pool`, `num_in_flight`, `start`/`shutdown`). Behind it,
+each request goes to the replica the routing policy (`router.py`) picks among the live ones
+Ray Serve reports, over that replica's connection (`channel.py`, opened on first use), and
+`_pump` waits for its end while the connection's reader puts the deltas on its `RemoteStream`.
 
-The call goes over Serve's direct gRPC channel to the replica (`_by_reference=False`), not
-through Ray's object store: a streamed item is then one gRPC message, where by reference each
-is a Ray object with its own ownership and reference-counting RPCs (a toy deployment
-streaming 64 items, on the 2-core bench machine at load 5: 1.1-1.4 ms against 2.9-3.6 ms from
-the replica's yield to here, and about half the CPU here). Plain pickle, not cloudpickle: every
-type that crosses is importable from this package.
-
-Faults: a replica that dies before sending anything is retried on another (nothing was
-streamed, so a second try cannot duplicate output); one that dies mid-stream ends the stream
-with an error delta naming the failure. A stream never waits on a dead replica: Ray fails the
-call when the actor dies.
+Faults: a turn whose replica is unreachable, or whose connection ends before anything was
+streamed, is retried on another replica (nothing was streamed, so a second try cannot
+duplicate output); one whose connection ends mid-stream ends with an error delta naming the
+failure. A stream never waits on a dead replica: its connection ends with the process.
 """
 
 from __future__ import annotations
@@ -24,10 +18,10 @@ import asyncio
 import logging
 import secrets
 import time
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import fields
 
-from grpc.aio import AioRpcError
-from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.handle import DeploymentHandle
 
 from ..engine import EngineLimits, EngineStats, EngineStoppedError, KVPoolStats, ModelInfo
@@ -38,13 +32,21 @@ from ..server.metrics import scheduler_counts
 from ..speculation.modes import SpecMode, parse_speculation
 from ..validation import RequestLimits, check_lengths, check_prompt_ids
 from . import registry
-from .replica import EngineFacts, Turn
+from .channel import ReplicaConnection, ReplicaGone, Turn
+from .replica import EngineFacts
+from .router import Candidate, LiveReplica
 
 log = logging.getLogger("specserve.cluster")
 
-# A dead replica fails its calls with these: Ray's errors, or the gRPC channel's own when the
-# connection broke with a status Serve does not translate.
-_REPLICA_GONE = (RayActorError, ActorUnavailableError, AioRpcError)
+
+class NoReplica(RuntimeError):
+    """No live replica to send a turn to."""
+
+
+def registered_replicas() -> list[LiveReplica]:
+    """The live replicas as this process's `ReplicaSet` knows them (none before it is built)."""
+    replica_set = registry.current_router()
+    return [] if replica_set is None else replica_set.live()
 
 
 class RemoteStream(DeltaStream):
@@ -53,6 +55,7 @@ class RemoteStream(DeltaStream):
     def __init__(self, request_id: str, prompt_token_ids: list[int]) -> None:
         super().__init__(request_id, prompt_token_ids)
         self.task: asyncio.Task | None = None  # the pump
+        self.started = False  # a delta came: the turn may no longer be retried
 
     def abort(self) -> None:
         """The replica's generator is cancelled (its engine frees the blocks) and the stream
@@ -65,13 +68,19 @@ class ClusterEngine:
     """The engine face of N replicas (see the module docstring)."""
 
     def __init__(self, handle: DeploymentHandle, facts: EngineFacts, num_replicas: int,
-                 retries: int = 2, report_period_s: float = 1.0) -> None:
-        self.handle = handle.options(stream=True, _by_reference=False,
-                                     request_serialization="pickle",
-                                     response_serialization="pickle")
+                 stream_token: str, router, retries: int = 2, report_period_s: float = 1.0,
+                 live: Callable[[], list[LiveReplica]] = registered_replicas,
+                 wait_for_replica_s: float = 30.0) -> None:
+        self.handle = handle  # its router keeps the live replicas (`live`) current
+        self.stream_token = stream_token
+        self.router = router  # the routing policy (router.py)
+        self.live = live
         self.tokenizer = facts.tokenizer
         self.num_replicas = num_replicas
         self.retries = retries  # replicas tried after one died before streaming anything
+        # With no live replica (all restarting), a turn waits this long for one.
+        self.wait_for_replica_s = wait_for_replica_s
+        self.unreachable_s = 5.0  # a replica whose connection failed is left alone this long
         # A replica whose last report is older than this is hung or cut off: not healthy.
         # (Reports travel replica -> Ray's controller -> this process, so allow for slack.)
         self.stale_after_s = 5 * report_period_s + 5.0
@@ -85,20 +94,28 @@ class ClusterEngine:
             min(one.max_model_len, one.kv_pool_tokens))
         self._streams: dict[str, RemoteStream] = {}
         self._running = False
+        self._connections: dict[str, asyncio.Task] = {}  # replica id -> its opening
+        self._queues: Counter[str] = Counter()  # replica id -> turns in flight there
+        self._unreachable: dict[str, float] = {}  # replica id -> when its connection failed
 
     # ---- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
         self._running = True
 
     async def shutdown(self) -> None:
-        """Abort every request in flight, wait until each stream has ended, and stop the
-        handle's router (it would otherwise poll Ray's controller for as long as this process
-        lives)."""
+        """Abort every request in flight, wait until each stream has ended, close the
+        connections, and stop the handle's router (it would otherwise poll Ray's controller for
+        as long as this process lives)."""
         self._running = False
         tasks = [s.task for s in self._streams.values() if s.task is not None]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        for opening in self._connections.values():
+            opening.cancel()
+            if opening.done() and not opening.cancelled() and opening.exception() is None:
+                opening.result().close()
+        self._connections.clear()
         await self.handle.shutdown_async()
 
     @property
@@ -115,11 +132,8 @@ class ClusterEngine:
         return self._limits
 
     def replica_reports(self) -> dict[str, dict]:
-        """Each live replica's last report (`EngineReplica.record_routing_stats`), by id;
-        empty until the first request has built the router."""
-        router = registry.current_router()
-        return {} if router is None else {rid: report for rid, report
-                                          in router.replica_reports().items() if report}
+        """Each live replica's last report (`EngineReplica.record_routing_stats`), by id."""
+        return {r.replica_id: r.report for r in self.live() if r.report}
 
     @property
     def stats(self) -> EngineStats:
@@ -149,8 +163,9 @@ class ClusterEngine:
 
     def replicas(self) -> list[dict]:
         """Each live replica as of its last report, for /health and /metrics: `status` is "ok"
-        while its engine runs and its reports keep coming, else "stale"."""
-        now = time.time()
+        while its engine runs and its reports keep coming, "unreachable" for a while after its
+        connection failed (Serve may not have noticed its end yet), else "stale"."""
+        now, clock = time.time(), time.monotonic()  # reports carry wall-clock times
         out = []
         for rid, report in sorted(self.replica_reports().items()):
             age = max(0.0, now - report["time"])
@@ -158,7 +173,9 @@ class ClusterEngine:
             running, waiting = scheduler_counts(in_flight, report["max_num_seqs"])
             blocks, free = report["num_blocks"], report["num_free_blocks"]
             ok = report["running"] and age <= self.stale_after_s
-            out.append({"replica": rid, "status": "ok" if ok else "stale",
+            status = ("unreachable" if self._unreachable_now(rid, clock)
+                      else "ok" if ok else "stale")
+            out.append({"replica": rid, "status": status,
                         "report_age_s": round(age, 3), "requests_in_flight": in_flight,
                         "requests_running": running, "requests_waiting": waiting,
                         "kv_blocks_total": blocks, "kv_blocks_free": free,
@@ -221,35 +238,85 @@ class ClusterEngine:
             stream.abort()
 
     async def _pump(self, stream: RemoteStream, turn: Turn) -> None:
-        """Replica deltas -> the stream's queue, ending with exactly one finished delta."""
+        """Send the turn to a replica and wait for its end; exactly one finished delta."""
         rid = turn.request_id
-        sent_any, call = False, None
+        connection = None
+
+        def deliver(delta: RequestDelta) -> None:
+            stream.started = True
+            self._deliver(stream, delta)
+
         try:
             for attempt in range(self.retries + 1):
-                call = self.handle.generate.remote(turn)
+                replica = await self._choose(turn)
                 try:
-                    async for batch in call:  # replica.batches: one list per message
-                        sent_any = True
-                        for delta in batch:
-                            self._deliver(stream, delta)
-                    if self._streams.get(rid) is stream:  # no finished delta came
-                        self._deliver(stream, _error(rid, "the replica's stream ended early"))
+                    connection = await self._connection(replica)
+                    self._queues[replica.replica_id] += 1
+                    try:
+                        await connection.start(turn, deliver)
+                    finally:
+                        self._queues[replica.replica_id] -= 1
                     return
-                except _REPLICA_GONE as exc:
-                    if sent_any or attempt == self.retries:
-                        log.warning("request %s: replica failed: %s", rid, exc)
+                except (ReplicaGone, OSError) as exc:  # OSError: it did not answer at all
+                    self._lost(replica.replica_id)
+                    if stream.started or attempt == self.retries:
+                        log.warning("request %s: replica %s failed: %s", rid,
+                                    replica.replica_id, exc)
                         self._deliver(stream, _error(rid, f"the engine replica serving this "
-                                                          f"request failed ({type(exc).__name__})"))
+                                                          f"request failed: {exc}"))
                         return
-                    await asyncio.sleep(0.1 * (attempt + 1))  # Ray drops the dead replica
+                    await asyncio.sleep(0.1 * (attempt + 1))  # Serve drops the dead replica
         except asyncio.CancelledError:
-            # abort() or shutdown: stop the replica's generator (its engine frees the blocks).
-            if call is not None:
-                call.cancel()
+            # abort() or shutdown: stop the turn on its replica (its engine frees the blocks).
+            if connection is not None:
+                connection.abort(rid)
             self._deliver(stream, RequestDelta(rid, [], "", finish_reason="abort"))
-        except Exception as exc:  # a failure inside the replica, or a bug: never a hang
-            log.exception("request %s failed", rid)
+        except Exception as exc:  # no replica, or a bug: never a hang
+            if not isinstance(exc, NoReplica):
+                log.exception("request %s failed", rid)
             self._deliver(stream, _error(rid, f"engine replica error: {exc}"))
+
+    async def _choose(self, turn: Turn) -> LiveReplica:
+        """The replica for `turn`: the policy's pick among the reachable live replicas, waiting
+        up to `wait_for_replica_s` while there is none."""
+        deadline = time.monotonic() + self.wait_for_replica_s
+        while True:
+            now = time.monotonic()
+            live = [r for r in self.live() if not self._unreachable_now(r.replica_id, now)]
+            if live:
+                break
+            if now > deadline:
+                raise NoReplica("no engine replica is available")
+            await asyncio.sleep(0.05)
+        by_id = {r.replica_id: r for r in live}
+        choice = self.router.choose(turn, [Candidate(r.replica_id, self._queues[r.replica_id],
+                                                     r.capacity) for r in live])
+        self.router.routed(turn, choice.replica_id)
+        return by_id[choice.replica_id]
+
+    async def _connection(self, replica: LiveReplica) -> ReplicaConnection:
+        """The open connection to `replica`, opened once and shared by its turns."""
+        opening = self._connections.get(replica.replica_id)
+        if opening is None or (opening.done() and (
+                opening.cancelled() or opening.exception() is not None
+                or opening.result().closed)):
+            opening = self._connections[replica.replica_id] = asyncio.ensure_future(
+                self._open(replica))
+        # Shielded: a turn aborted while the connection opens must not cancel it for others.
+        return await asyncio.shield(opening)
+
+    async def _open(self, replica: LiveReplica) -> ReplicaConnection:
+        connection = await ReplicaConnection.open(replica.host, replica.port, self.stream_token)
+        connection.when_closed(lambda: self._lost(replica.replica_id) if self._running else None)
+        return connection
+
+    def _lost(self, replica_id: str) -> None:
+        """Its connection failed: leave the replica alone a while, forget what it cached."""
+        self._unreachable[replica_id] = time.monotonic()
+        self.router.forget(replica_id)
+
+    def _unreachable_now(self, replica_id: str, now: float) -> bool:
+        return now - self._unreachable.get(replica_id, -self.unreachable_s) < self.unreachable_s
 
     def _deliver(self, stream: RemoteStream, delta: RequestDelta) -> None:
         if self._streams.get(stream.request_id) is not stream:

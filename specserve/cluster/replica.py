@@ -2,37 +2,24 @@
 KV cache and streams each turn's deltas back to the gateway.
 
 A turn crosses the process boundary as a `Turn` (token ids already prepared by the gateway) and
-comes back as the engine's own `RequestDelta`s, in lists (`batches`), through a streaming
-deployment handle.
+comes back as the engine's own `RequestDelta`s, in lists, over the replica's stream port
+(`channel.py`), whose address the replica gives Ray Serve once (`record_replica_metadata`).
 The replica reports its load and KV pool to Ray Serve (`record_routing_stats`), which hands the
-numbers to the gateway's router and `/metrics`.
+numbers to the gateway's /health and /metrics.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
 
+import ray
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from ..engine import AsyncEngine, EngineLimits, EngineStoppedError, ModelInfo
-from ..engine.async_engine import DeltaStream
-from ..outputs import RequestDelta
-from ..sampling import SamplingParams
-
-
-@dataclass(frozen=True)
-class Turn:
-    """One engine request, as the gateway sends it to a replica."""
-
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    request_id: str
-    speculation: object  # the request's speculation spelling (None: the replica's default)
-    session: str | None  # the conversation whose turns keep to one replica (None: any)
+from ..engine import AsyncEngine, EngineLimits, ModelInfo
+from .channel import StreamServer
 
 
 @dataclass(frozen=True)
@@ -48,7 +35,8 @@ class EngineFacts:
 class EngineReplica:
     """The deployment class: `serve.deployment(EngineReplica)` in `app.py`."""
 
-    async def __init__(self, engine_options: dict, prefill_pool: DeploymentHandle | None = None,
+    async def __init__(self, engine_options: dict, stream_token: str,
+                       prefill_pool: DeploymentHandle | None = None,
                        kv_token: str | None = None) -> None:
         # Imported here: the core pulls in torch and the model code, which the gateway never
         # loads (it only holds a tokenizer).
@@ -67,31 +55,17 @@ class EngineReplica:
                                        TcpKVClient(token=kv_token))
         await self.engine.start()
         self.replica_id = serve.get_replica_context().replica_id.to_full_id_str()
+        self.streams = StreamServer(self.engine, self.replica_id, stream_token)
+        self.stream_port = await self.streams.start()
 
     def facts(self) -> EngineFacts:
         engine = self.engine
         return EngineFacts(engine.model_info, engine.limits, engine.tokenizer)
 
-    async def generate(self, turn: Turn) -> AsyncIterator[list[RequestDelta]]:
-        """Stream one turn's deltas (`batches`); the last one's metrics name this replica as
-        "replica"."""
-        try:
-            stream = self.engine.add_request(turn.prompt_token_ids, turn.params,
-                                             turn.request_id, turn.speculation)
-        except (EngineStoppedError, ValueError) as exc:
-            yield [RequestDelta(turn.request_id, [], "", finish_reason="error",
-                                error=f"replica {self.replica_id}: {exc}")]
-            return
-        try:
-            async for batch in batches(stream):
-                last = batch[-1]
-                if last.finished:
-                    last.metrics = {**(last.metrics or {}), "replica": self.replica_id}
-                yield batch
-        finally:
-            # The gateway cancels this generator when its client aborts or goes away: the
-            # engine frees the request's blocks before its next step.
-            stream.abort()
+    def record_replica_metadata(self) -> dict:
+        """Where the gateway opens this replica's token stream (Serve hands it to the gateway
+        with the replica, before any report)."""
+        return {"stream_host": ray.util.get_node_ip_address(), "stream_port": self.stream_port}
 
     def record_routing_stats(self) -> dict:
         """Load, KV and memory numbers for the gateway's /health and /metrics (Ray Serve polls
@@ -111,22 +85,12 @@ class EngineReplica:
             raise RuntimeError(f"replica {self.replica_id}: the engine is not running")
 
     async def __del__(self) -> None:
-        engine = getattr(self, "engine", None)  # None when __init__ failed
+        streams = getattr(self, "streams", None)  # None when __init__ failed
+        if streams is not None:
+            await streams.close()
+        engine = getattr(self, "engine", None)
         if engine is not None:
             await engine.shutdown()
-
-
-async def batches(stream: DeltaStream) -> AsyncIterator[list[RequestDelta]]:
-    """The stream's deltas, each list every delta ready when the last send was done: one per
-    engine step while the gateway keeps up, more when this replica's event loop or its link
-    fell behind, so a backlog costs one message instead of one per step. The same deltas in
-    the same order, ending with the finished one."""
-    while not stream.finished:
-        batch = [await stream.queue.get()]
-        while not batch[-1].finished and not stream.queue.empty():
-            batch.append(stream.queue.get_nowait())
-        stream.finished = batch[-1].finished
-        yield batch
 
 
 def resident_bytes() -> int:

@@ -1,7 +1,10 @@
-"""`ClusterEngine` over a fake deployment handle (the layer below): deltas pass through (also
-several in one message), a replica gone before its first delta is retried, one gone mid-stream
-ends the stream with an error (Ray's or the gRPC channel's), an abort always ends the stream,
-shutdown stops the handle, and bad input is refused at once."""
+"""`ClusterEngine` and the stream channel between it and the replicas, without Ray: each fake
+replica is the real `StreamServer` on 127.0.0.1 over a fake engine (the layer below) that
+streams scripted deltas. Deltas pass through (also several in one frame), the turn and its
+parameters cross intact, a replica unreachable or gone before its first delta is retried on
+another, one gone mid-stream ends the stream with an error, an abort always ends the stream
+and aborts the turn on its replica, a wrong token is refused, shutdown closes everything, and
+bad input is refused at once."""
 
 from __future__ import annotations
 
@@ -12,217 +15,257 @@ import pytest
 
 pytest.importorskip("ray", reason="the cluster extra (ray[serve]) is not installed")
 
-import grpc  # noqa: E402
-from ray.exceptions import RayActorError  # noqa: E402
-
+from specserve.cluster.channel import StreamServer, Turn  # noqa: E402
 from specserve.cluster.gateway_engine import ClusterEngine  # noqa: E402
 from specserve.cluster.replica import EngineFacts  # noqa: E402
+from specserve.cluster.router import LiveReplica, PrefixAffinityRouter  # noqa: E402
 from specserve.engine import EngineLimits, EngineStoppedError, ModelInfo  # noqa: E402
+from specserve.engine.async_engine import DeltaStream  # noqa: E402
 from specserve.outputs import RequestDelta  # noqa: E402
 from specserve.sampling import SamplingParams  # noqa: E402
 from specserve.speculation.modes import parse_speculation  # noqa: E402
 
+TOKEN = "secret"
+DIE, HOLD = "die", "hold"  # script steps: the replica's process ends; the turn runs on
 
-class FakeCall:
-    """One streaming call: yields its deltas, each in a list of its own as a replica that keeps
-    up sends them (`batches` groups several into one list), or dies (`error`, by default
-    RayActorError) after `die_after` lists."""
 
-    def __init__(self, deltas: list[RequestDelta], die_after: int | None = None,
-                 hold: bool = False, batches: list[list[RequestDelta]] | None = None,
-                 error: Exception | None = None) -> None:
-        self.batches = batches if batches is not None else [[d] for d in deltas]
-        self.die_after, self.hold = die_after, hold
-        self.error = error if error is not None else RayActorError()
-        self.cancelled = False
+class FakeStream(DeltaStream):
+    def __init__(self, engine: FakeEngine, rid: str) -> None:
+        super().__init__(rid, [])
+        self.engine = engine
 
-    def __aiter__(self):
-        return self._run()
+    def abort(self) -> None:
+        if not self.finished:
+            self.engine.aborted.append(self.request_id)
+            self.queue.put_nowait(RequestDelta(self.request_id, [], "", finish_reason="abort"))
 
-    async def _run(self):
-        for i, batch in enumerate(self.batches):
-            if i == self.die_after:
-                raise self.error
-            await asyncio.sleep(0)
-            yield batch
-        if self.die_after == len(self.batches):
-            raise self.error
-        while self.hold:  # a long generation, until cancelled
+
+class FakeEngine:
+    """Streams each request's script: lists of token lists (one list: put on the queue at
+    once), `DIE` (the replica goes away) or `HOLD` (runs until aborted)."""
+
+    def __init__(self, *steps) -> None:
+        self.steps = steps
+        self.server: StreamServer | None = None
+        self.requests: list[tuple] = []
+        self.aborted: list[str] = []
+
+    def add_request(self, ids, params, rid, speculation) -> FakeStream:
+        self.requests.append((ids, params, rid, speculation))
+        stream = FakeStream(self, rid)
+        asyncio.get_running_loop().create_task(self._feed(stream))
+        return stream
+
+    async def _feed(self, stream: FakeStream) -> None:
+        for i, step in enumerate(self.steps):
             await asyncio.sleep(0.01)
+            if step == DIE:
+                await self.server.close()
+                return
+            if step == HOLD:
+                return
+            last = i == len(self.steps) - 1
+            for j, tokens in enumerate(step):
+                finished = last and j == len(step) - 1
+                stream.queue.put_nowait(RequestDelta(
+                    stream.request_id, tokens, "x" * len(tokens),
+                    finish_reason="length" if finished else None))
 
-    def cancel(self) -> None:
-        self.cancelled = True
+
+class Replicas:
+    """Fake replicas on 127.0.0.1, as the gateway's live set."""
+
+    def __init__(self) -> None:
+        self.live: list[LiveReplica] = []
+        self.servers: list[StreamServer] = []
+
+    async def add(self, name: str, engine: FakeEngine, token: str = TOKEN) -> None:
+        server = engine.server = StreamServer(engine, name, token)
+        port = await server.start("127.0.0.1")
+        self.servers.append(server)
+        self.live.append(LiveReplica(name, "127.0.0.1", port, 8, {}))
+
+    async def close(self) -> None:
+        for server in self.servers:
+            await server.close()
 
 
 class FakeHandle:
-    def __init__(self, *calls: FakeCall) -> None:
-        self.calls, self.turns = list(calls), []
-        self.options_set: dict = {}
-        self.shut_down = False
-
-    def options(self, **options):
-        self.options_set.update(options)
-        return self
+    shut_down = False
 
     async def shutdown_async(self) -> None:
         self.shut_down = True
 
-    @property
-    def generate(self):
-        return self
 
-    def remote(self, turn):
-        self.turns.append(turn)
-        return self.calls.pop(0)
+def keep_to(eng: ClusterEngine, session: str, replica: str) -> None:
+    """The conversation `session` was on `replica`: its next turns go there."""
+    eng.router.routed(Turn([1], SamplingParams(), f"{session}/0", None, session), replica)
 
 
-def engine(handle: FakeHandle, replicas: int = 2) -> ClusterEngine:
+def cluster_engine(replicas: Replicas, **options) -> ClusterEngine:
     info = ModelInfo(Path("t"), None, 100, parse_speculation("off", False))
     facts = EngineFacts(info, EngineLimits(64, 1024, 4), tokenizer=None)
-    return ClusterEngine(handle, facts, replicas)
-
-
-def delta(rid: str, tokens: list[int], reason: str | None = None) -> RequestDelta:
-    return RequestDelta(rid, tokens, "x" * len(tokens), finish_reason=reason,
-                        metrics={"replica": "r0"} if reason else None)
+    return ClusterEngine(FakeHandle(), facts, 2, TOKEN, PrefixAffinityRouter(),
+                         live=lambda: replicas.live, **options)
 
 
 async def drain(stream) -> list[RequestDelta]:
     return [d async for d in stream]
 
 
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 10))
-
-
-def test_deltas_pass_through_and_the_turn_names_its_session():
-    handle = FakeHandle(FakeCall([delta("sess_1/a", [1, 2]), delta("sess_1/a", [3], "length")]))
-
+def run(test) -> None:
+    """`test(replicas)` in a fresh loop, the fake replicas closed after."""
     async def go():
-        eng = engine(handle)
+        replicas = Replicas()
+        try:
+            await asyncio.wait_for(test(replicas), 10)
+        finally:
+            await replicas.close()
+
+    asyncio.run(go())
+
+
+def test_deltas_pass_through_and_the_turn_crosses_intact():
+    async def test(replicas):
+        engine = FakeEngine([[1, 2]], [[3]])
+        await replicas.add("r0", engine)
+        eng = cluster_engine(replicas)
         await eng.start()
-        stream = eng.add_request([5, 6, 7], SamplingParams(max_tokens=3), "sess_1/a")
+        params = SamplingParams(temperature=0, max_tokens=3, stop=("\n",), seed=5)
+        stream = eng.add_request([5, 6, 7], params, "sess_1/a", speculation="ngram:3")
         assert eng.num_in_flight() == 1
         out = await drain(stream)
-        return eng, out
+        assert [d.token_ids for d in out] == [[1, 2], [3]] and out[-1].finish_reason == "length"
+        assert out[-1].metrics == {"replica": "r0"}
+        assert engine.requests == [([5, 6, 7], params, "sess_1/a", "ngram:3")]
+        assert eng.router.sessions["sess_1"] == "r0"  # the conversation keeps to r0
+        assert eng.num_in_flight() == 0 and eng.limits.max_num_seqs == 8  # every replica's
 
-    eng, out = run(go())
-    assert [d.token_ids for d in out] == [[1, 2], [3]] and out[-1].finish_reason == "length"
-    assert eng.num_in_flight() == 0
-    assert handle.turns[0].session == "sess_1" and handle.turns[0].prompt_token_ids == [5, 6, 7]
-    assert eng.limits.max_num_seqs == 8  # admission counts every replica's batch slots
+    run(test)
 
 
-def test_replica_gone_before_any_delta_is_retried():
-    handle = FakeHandle(FakeCall([], die_after=0), FakeCall([delta("a", [1], "stop")]))
-
-    async def go():
-        eng = engine(handle)
+def test_deltas_sent_together_arrive_one_by_one_in_order():
+    async def test(replicas):
+        await replicas.add("r0", FakeEngine([[1], [2, 3], [4]], [[5], [6]]))
+        eng = cluster_engine(replicas)
         await eng.start()
-        return await drain(eng.add_request([1], SamplingParams(max_tokens=4), "a"))
+        out = await drain(eng.add_request([1], SamplingParams(max_tokens=6), "a"))
+        assert [d.token_ids for d in out] == [[1], [2, 3], [4], [5], [6]]
+        assert out[-1].finish_reason == "length"
 
-    out = run(go())
-    assert out[-1].finish_reason == "stop" and len(handle.turns) == 2
+    run(test)
 
 
-def test_replica_gone_mid_stream_ends_with_an_error():
-    handle = FakeHandle(FakeCall([delta("a", [1]), delta("a", [2])], die_after=2))
-
-    async def go():
-        eng = engine(handle)
+def test_a_replica_unreachable_or_gone_before_any_delta_is_retried():
+    async def test(replicas):
+        await replicas.add("dead", FakeEngine(DIE))
+        await replicas.add("ok", FakeEngine([[1]]))
+        await replicas.add("closed", FakeEngine([[1]]))
+        await replicas.servers[-1].close()  # nothing listens there any more
+        eng = cluster_engine(replicas)
         await eng.start()
-        return eng, await drain(eng.add_request([1], SamplingParams(max_tokens=9), "a"))
+        keep_to(eng, "s", "dead")
+        keep_to(eng, "t", "closed")
+        for rid in ("s/a", "t/b", "c"):
+            out = await drain(eng.add_request([1], SamplingParams(max_tokens=4), rid))
+            assert out[-1].finish_reason == "length" and out[-1].metrics["replica"] == "ok"
+        assert [len(r.engine.requests) for r in replicas.servers] == [1, 3, 0]
 
-    eng, out = run(go())
-    assert [d.token_ids for d in out[:2]] == [[1], [2]]
-    assert out[-1].finish_reason == "error" and "replica" in out[-1].error
-    assert len(handle.turns) == 1 and eng.num_in_flight() == 0  # no retry after output
+    run(test)
+
+
+def test_a_replica_gone_mid_stream_ends_the_stream_with_an_error():
+    async def test(replicas):
+        await replicas.add("r0", FakeEngine([[1]], [[2]], DIE))
+        await replicas.add("r1", FakeEngine([[1]]))
+        eng = cluster_engine(replicas)
+        await eng.start()
+        keep_to(eng, "s", "r0")
+        out = await drain(eng.add_request([1], SamplingParams(max_tokens=9), "s/a"))
+        assert [d.token_ids for d in out[:2]] == [[1], [2]]
+        assert out[-1].finish_reason == "error" and "replica" in out[-1].error
+        assert "closed the connection" in out[-1].error
+        assert len(replicas.servers[1].engine.requests) == 0  # no retry after output
+        assert eng.num_in_flight() == 0
+
+    run(test)
 
 
 @pytest.mark.parametrize("wait_first", [True, False])
-def test_abort_ends_the_stream_and_cancels_the_call(wait_first):
-    call = FakeCall([delta("a", [1])], hold=True)
-
-    async def go():
-        eng = engine(FakeHandle(call))
+def test_abort_ends_the_stream_and_the_turn_on_its_replica(wait_first):
+    async def test(replicas):
+        engine = FakeEngine([[1]], HOLD)
+        await replicas.add("r0", engine)
+        eng = cluster_engine(replicas)
         await eng.start()
         stream = eng.add_request([1], SamplingParams(max_tokens=9), "a")
         if wait_first:  # mid-stream, else before the pump has even run
             first = await stream.queue.get()
             stream.queue.put_nowait(first)
         stream.abort()
-        return eng, await drain(stream)
+        out = await drain(stream)
+        assert out[-1].finish_reason == "abort" and eng.num_in_flight() == 0
+        if wait_first:  # the replica's engine is told (the turn never got there otherwise)
+            for _ in range(100):
+                if engine.aborted:
+                    break
+                await asyncio.sleep(0.01)
+            assert engine.aborted == ["a"]
+        # The connection still serves the next turn.
+        engine.steps = ([[2]],)
+        out = await drain(eng.add_request([1], SamplingParams(max_tokens=9), "b"))
+        assert out[-1].finish_reason == "length"
 
-    eng, out = run(go())
-    assert out[-1].finish_reason == "abort" and eng.num_in_flight() == 0
-    assert call.cancelled == wait_first
+    run(test)
 
 
 def test_shutdown_ends_every_stream_and_stops_the_handle():
-    handle = FakeHandle(FakeCall([], hold=True), FakeCall([], hold=True))
-
-    async def go():
-        eng = engine(handle)
+    async def test(replicas):
+        engine = FakeEngine(HOLD)
+        await replicas.add("r0", engine)
+        eng = cluster_engine(replicas)
         await eng.start()
         streams = [eng.add_request([1], SamplingParams(max_tokens=9), rid) for rid in "ab"]
         await asyncio.sleep(0.05)
         await eng.shutdown()
-        return [await drain(s) for s in streams]
+        assert [(await drain(s))[-1].finish_reason for s in streams] == ["abort", "abort"]
+        assert eng.handle.shut_down
+        for _ in range(100):  # the closed connection aborted both turns on the replica
+            if len(engine.aborted) == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert sorted(engine.aborted) == ["a", "b"]
 
-    assert [out[-1].finish_reason for out in run(go())] == ["abort", "abort"]
-    assert handle.shut_down
+    run(test)
 
 
-def test_deltas_sent_together_arrive_one_by_one_in_order():
-    batches = [[delta("a", [1]), delta("a", [2, 3]), delta("a", [4])],
-               [delta("a", [5]), delta("a", [6], "length")]]
-    handle = FakeHandle(FakeCall([], batches=batches))
-
-    async def go():
-        eng = engine(handle)
+def test_a_replica_refuses_a_connection_without_its_token():
+    async def test(replicas):
+        await replicas.add("r0", FakeEngine([[1]]), token="another")
+        eng = cluster_engine(replicas, retries=0)
         await eng.start()
-        return eng, await drain(eng.add_request([1], SamplingParams(max_tokens=6), "a"))
+        out = await drain(eng.add_request([1], SamplingParams(max_tokens=4), "a"))
+        # Closed after the hello: the gateway reads an end, or a reset of what it sent after.
+        assert out[-1].finish_reason == "error" and "connection" in out[-1].error
+        assert replicas.servers[0].engine.requests == []
 
-    eng, out = run(go())
-    assert [d.token_ids for d in out] == [[1], [2, 3], [4], [5], [6]]
-    assert out[-1].finish_reason == "length" and eng.num_in_flight() == 0
-
-
-def test_calls_stream_over_grpc_with_plain_pickle():
-    handle = FakeHandle()
-    engine(handle)
-    assert handle.options_set == {"stream": True, "_by_reference": False,
-                                  "request_serialization": "pickle",
-                                  "response_serialization": "pickle"}
+    run(test)
 
 
-def _broken_channel() -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, grpc.aio.Metadata(),
-                                grpc.aio.Metadata(), details="connection reset")
-
-
-def test_a_broken_grpc_channel_counts_as_a_dead_replica():
-    before = FakeHandle(FakeCall([], die_after=0, error=_broken_channel()),
-                        FakeCall([delta("a", [1], "stop")]))
-    during = FakeHandle(FakeCall([delta("b", [1])], die_after=1, error=_broken_channel()))
-
-    async def go():
-        eng = engine(before)
+def test_without_a_live_replica_a_turn_fails_after_the_wait():
+    async def test(replicas):
+        eng = cluster_engine(replicas, wait_for_replica_s=0.2)
         await eng.start()
-        retried = await drain(eng.add_request([1], SamplingParams(max_tokens=4), "a"))
-        eng = engine(during)
-        await eng.start()
-        return retried, await drain(eng.add_request([1], SamplingParams(max_tokens=4), "b"))
+        out = await drain(eng.add_request([1], SamplingParams(max_tokens=4), "a"))
+        assert out[-1].finish_reason == "error"
+        assert "no engine replica is available" in out[-1].error
 
-    retried, failed = run(go())
-    assert retried[-1].finish_reason == "stop" and len(before.turns) == 2
-    assert failed[0].token_ids == [1] and failed[-1].finish_reason == "error"
-    assert "replica" in failed[-1].error and "AioRpcError" in failed[-1].error
+    run(test)
 
 
 def test_bad_requests_are_refused_at_once():
-    async def go():
-        eng = engine(FakeHandle())
+    async def test(replicas):
+        eng = cluster_engine(replicas)
         with pytest.raises(EngineStoppedError):
             eng.add_request([1], SamplingParams(max_tokens=4))
         await eng.start()
@@ -233,4 +276,4 @@ def test_bad_requests_are_refused_at_once():
         with pytest.raises(ValueError, match="draft"):
             eng.add_request([1], SamplingParams(max_tokens=4), speculation="chain:3")
 
-    run(go())
+    run(test)

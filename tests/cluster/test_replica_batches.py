@@ -1,4 +1,4 @@
-"""`replica.batches`: a replica sends every delta its engine has ready in one message, in
+"""`channel.batches`: a replica sends every delta its engine has ready in one message, in
 order, and stops after the finished one; over a stream fed by hand (the engine's side)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("ray", reason="the cluster extra (ray[serve]) is not installed")
 
-from specserve.cluster.replica import batches  # noqa: E402
+from specserve.cluster.channel import batches  # noqa: E402
 from specserve.engine.async_engine import DeltaStream  # noqa: E402
 from specserve.outputs import RequestDelta  # noqa: E402
 

@@ -1,5 +1,6 @@
 """The cluster's pure parts without a cluster: block keys, the per-replica block record, the
-scheduler counts behind the vLLM gauges, and the CLI's refusals before Ray starts."""
+routing policies over candidate replicas, the scheduler counts behind the vLLM gauges, and
+the CLI's refusals before Ray starts."""
 
 from __future__ import annotations
 
@@ -9,7 +10,15 @@ pytest.importorskip("ray", reason="the cluster extra (ray[serve]) is not install
 
 from specserve.cli import main  # noqa: E402
 from specserve.cluster import ClusterOptions  # noqa: E402
-from specserve.cluster.router import BLOCK_SIZE, ReplicaBlocks, block_hashes  # noqa: E402
+from specserve.cluster.router import (  # noqa: E402
+    BLOCK_SIZE,
+    Candidate,
+    PrefixAffinityRouter,
+    ReplicaBlocks,
+    RoundRobinRouter,
+    block_hashes,
+    shortest,
+)
 from specserve.server.metrics import scheduler_counts  # noqa: E402
 
 
@@ -59,77 +68,70 @@ def test_cli_refuses_bad_cluster_flags_before_ray_starts(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-# ---- the routing policy, over fake replicas ---------------------------------------------------
-class FakeReplica:
-    def __init__(self, name: str) -> None:
-        self.replica_id = name
-        self.max_ongoing_requests = 8
-
-
-class FakeRequest:
-    def __init__(self, turn) -> None:
-        self.args = [turn]
-
-
-def make_router(queues: dict[str, int]):
-    from specserve.cluster.router import PrefixAffinityRouter
-
-    router = PrefixAffinityRouter.__new__(PrefixAffinityRouter)  # no Serve handle around it
-    router.initialize_state()
-    router._replica_queue_len_cache = queues  # what `replica_queue_len_cache` reads
-    return router
-
-
+# ---- the routing policies, over candidates --------------------------------------------------
 def turn(ids: list[int], session: str | None = None):
-    from specserve.cluster.replica import Turn
+    from specserve.cluster.channel import Turn
     from specserve.sampling import SamplingParams
 
     return Turn(ids, SamplingParams(max_tokens=4), "r", None, session)
 
 
-def choose(router, replicas, t) -> list[list[str]]:
-    import asyncio
-
-    ranks = asyncio.run(router.choose_replicas(replicas, FakeRequest(t)))
-    return [[r.replica_id for r in rank] for rank in ranks]
+def candidates(queues: dict[str, int], capacity: int = 8) -> list[Candidate]:
+    return [Candidate(rid, queue, capacity) for rid, queue in queues.items()]
 
 
 def test_router_prefers_the_replica_holding_the_prefix_unless_its_queue_is_clearly_longer():
-    a, b = FakeReplica("a"), FakeReplica("b")
-    queues = {"a": 0, "b": 0}
-    router = make_router(queues)
+    router = PrefixAffinityRouter()
     prompt = list(range(64))  # 4 blocks
-    assert choose(router, [a, b], turn(prompt)) == [["a", "b"]]  # nothing cached: by load
-    router.on_request_routed(FakeRequest(turn(prompt)), "b", None)
-    assert choose(router, [a, b], turn(prompt[:48] + [7] * 16)) == [["b"], ["a"]]
-    queues["b"] = 3  # 3 more than a: past the imbalance threshold (2)
-    assert choose(router, [a, b], turn(prompt)) == [["a", "b"]]
-    queues["b"] = 2
-    assert choose(router, [a, b], turn(prompt)) == [["b"], ["a"]]
+    router.routed(turn(prompt), "b")
+    assert router.choose(turn(prompt[:48] + [7] * 16), candidates({"a": 0, "b": 0})) \
+        .replica_id == "b"
+    # 3 more than a: past the imbalance threshold (2); at 2 it still wins.
+    assert router.choose(turn(prompt), candidates({"a": 0, "b": 3})).replica_id == "a"
+    assert router.choose(turn(prompt), candidates({"a": 0, "b": 2})).replica_id == "b"
     # A match under half the prompt (one shared block of five) goes by load.
-    assert choose(router, [a, b], turn(prompt[:16] + [9] * 64)) == [["a", "b"]]
+    assert router.choose(turn(prompt[:16] + [9] * 64), candidates({"a": 1, "b": 0})) \
+        .replica_id == "b"
+    assert router.choose(turn(prompt[:16] + [9] * 64), candidates({"a": 0, "b": 1})) \
+        .replica_id == "a"
+    # A full replica is passed over however much it holds.
+    assert router.choose(turn(prompt), candidates({"a": 2, "b": 2}, capacity=2)) \
+        .replica_id in {"a", "b"}
+    assert router.choose(turn(prompt), [Candidate("a", 1, 2), Candidate("b", 2, 2)]) \
+        .replica_id == "a"
 
 
 def test_router_keeps_a_conversation_on_its_replica_while_it_lives():
-    a, b = FakeReplica("a"), FakeReplica("b")
-    router = make_router({"a": 0, "b": 0})
-    router.on_request_routed(FakeRequest(turn([1] * 20, "s1")), "a", None)
-    assert choose(router, [a, b], turn([5] * 40, "s1")) == [["a"], ["b"]]
-    assert choose(router, [b], turn([5] * 40, "s1")) == [["b"]]  # a is gone: any other
+    router = PrefixAffinityRouter()
+    router.routed(turn([1] * 20, "s1"), "a")
+    assert router.choose(turn([5] * 40, "s1"), candidates({"a": 1, "b": 0})).replica_id == "a"
+    assert router.choose(turn([5] * 40, "s1"), candidates({"b": 0})).replica_id == "b"  # a gone
+    router.forget("a")  # a died: its conversations and blocks with it
+    assert "s1" not in router.sessions and "a" not in router.blocks
+
+
+def test_routers_spread_equal_queues_and_prefer_room():
+    router = PrefixAffinityRouter()
+    picks = {router.choose(turn([3] * 8), candidates({"a": 0, "b": 0, "c": 0})).replica_id
+             for _ in range(60)}
+    assert picks == {"a", "b", "c"}  # a random one of equals, not always the first
+    assert shortest([Candidate("a", 1, 1), Candidate("b", 3, 4)]).replica_id == "b"
+    assert shortest([Candidate("a", 1, 1), Candidate("b", 4, 4)]).replica_id == "a"  # all full
 
 
 def test_round_robin_takes_each_replica_in_turn_and_falls_back_to_the_others():
-    from specserve.cluster.router import RoundRobinRouter
-
-    router = RoundRobinRouter.__new__(RoundRobinRouter)
-    router.initialize_state()
-    a, b, c = FakeReplica("a"), FakeReplica("b"), FakeReplica("c")
+    router = RoundRobinRouter()
     prompt = turn(list(range(64)))  # the same prompt each time: no affinity here
-    firsts = [choose(router, [c, a, b], prompt)[0][0] for _ in range(6)]
+    firsts = [router.choose(prompt, candidates({"c": 0, "a": 0, "b": 0})).replica_id
+              for _ in range(6)]
     assert firsts == ["a", "b", "c", "a", "b", "c"]
-    assert choose(router, [b, a], prompt) == [["a"], ["b"]]  # turn 6 of 2 replicas
+    assert router.choose(prompt, candidates({"b": 0, "a": 0})).replica_id == "a"  # turn 6 of 2
+    # Turn 7 of 2 is b's, but b is full: the shortest queue with room.
+    assert router.choose(prompt, [Candidate("a", 1, 2), Candidate("b", 2, 2)]).replica_id == "a"
 
 
-def test_cluster_options_refuse_an_unknown_routing():
+def test_cluster_options_refuse_an_unknown_routing_and_bad_router_options():
     with pytest.raises(ValueError, match="routing must be one of prefix, round_robin"):
         ClusterOptions(engine_options={}, routing="random")
+    with pytest.raises(ValueError, match="imbalance_threshold"):
+        ClusterOptions(engine_options={}, router_options={"imbalance_threshold": -1})
