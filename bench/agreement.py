@@ -10,7 +10,8 @@ k-quant product's activations into 8-bit blocks (Q8_K), specserve into 16-bit on
 in different orders. Near-ties between the two most likely tokens then fall either way, and a
 continuation that differs once goes its own way. So this counts, per prompt, the tokens the two
 share from the start (specserve's tokens whose decoded text is a prefix of llama.cpp's), and how
-many continuations are identical throughout. Prompts without a chat template in the file run
+many continuations are identical throughout; where the two part, how close our model found the
+choice (a near-tie is a gap of hundredths of a nat). Prompts without a chat template in the file run
 as plain text, as `bench default-model` runs them.
 """
 
@@ -30,27 +31,51 @@ from specserve import LLM, SamplingParams
 from specserve.draft_models.chat_prompts import HELD_OUT_PROMPTS
 from specserve.kernels.quant_cpu import ACTIVATIONS
 
+TOP = 5  # log-probabilities listed per generated token, to find llama.cpp's choice where they part
+
 
 def llamacpp_text(bin_dir: Path, target: Path, prompt_text: str, max_tokens: int,
                   threads: int) -> str:
-    """llama-completion's greedy continuation of prompt_text (the prompt itself not echoed)."""
+    """llama-completion's greedy continuation of prompt_text (the prompt itself not echoed), up
+    to max_tokens or the end of the reply."""
     with tempfile.NamedTemporaryFile("w", suffix=".txt") as f:
         f.write(prompt_text + "\n")  # -f strips one trailing newline
         f.flush()
         done = subprocess.run(
             [str(bin_dir / "llama-completion"), "-m", str(target), "-f", f.name, "-n",
              str(max_tokens), "-t", str(threads), "--temp", "0", "--top-k", "1", "-c", "1024",
-             "-no-cnv", "--no-warmup", "--no-display-prompt", "--ignore-eos"],
+             "-no-cnv", "--no-warmup", "--no-display-prompt"],
             capture_output=True, text=True, check=True, stdin=subprocess.DEVNULL)
-    return done.stdout
+    return done.stdout.removesuffix("\n").removesuffix(" [end of text]")
 
 
 def shared_tokens(tokenizer, ids: list[int], text: str) -> int:
-    """How many of ids, from the first, decode to a prefix of text."""
+    """How many of ids, from the first, decode to a prefix of text (special tokens, such as the
+    end of the reply, decode to nothing, as llama-completion prints them)."""
     n = 0
-    while n < len(ids) and text.startswith(tokenizer.decode(ids[:n + 1])):
+    while n < len(ids) and text.startswith(visible(tokenizer, ids[:n + 1])):
         n += 1
     return n
+
+
+def divergence_gap(tokenizer, ids: list[int], logprobs, text: str, shared: int) -> float | None:
+    """Where ids leave text (at index `shared`), how much likelier our model found its own token
+    than llama.cpp's next one: log p(ours) - log p(theirs) in nats, theirs found among the top
+    tokens that logprobs lists there; None when it is not among them."""
+    here = logprobs[shared]
+    for token, logprob in here.top:
+        if token != ids[shared] and text.startswith(visible(tokenizer, ids[:shared] + [token])):
+            return here.logprob - logprob
+    return None
+
+
+def visible(tokenizer, ids: list[int]) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def same_text(tokenizer, ids: list[int], text: str) -> bool:
+    """Whether ids say what text says (llama-completion ends its output with a newline)."""
+    return visible(tokenizer, ids).rstrip() == text.rstrip()
 
 
 def prompt_texts(tokenizer, prompts: list[list[int]]) -> list[str]:
@@ -86,12 +111,14 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench.agreement")
 
     torch.set_num_threads(args.threads)
     questions = list(HELD_OUT_PROMPTS[:args.prompts])
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, logprobs=TOP)
     theirs: list[str] | None = None
     print(f"{args.target.name}: {len(questions)} held-out prompts x {args.max_tokens} greedy "
           f"tokens, beside llama-completion; {args.threads} threads")
-    print("| activations | identical continuations | tokens shared from the start, mean | "
-          "min |\n|---|---|---|---|")
+    print("| activations | identical continuations | our tokens shared from the start | "
+          "fewest in one |"
+          "where they part, log p(ours) - log p(llama.cpp's), median / max (nats) |\n"
+          "|---|---|---|---|---|")
     for act in acts:
         os.environ["SPECSERVE_QUANT_ACT"] = act  # read when the weights' row order is chosen
         llm = LLM(args.target, speculation="off", enable_prefix_caching=False)
@@ -104,11 +131,19 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench.agreement")
             log("  llama-completion on each prompt")
             theirs = [llamacpp_text(bin_dir, args.target, text, args.max_tokens, args.threads)
                       for text in prompt_texts(tok, prompts)]
-        ours = [out.token_ids for out in llm.generate(prompts, params)]
+        outs = llm.generate(prompts, params)
+        ours = [out.token_ids for out in outs]
         shared = [shared_tokens(tok, ids, text) for ids, text in zip(ours, theirs)]
-        same = sum(s == len(ids) for s, ids in zip(shared, ours))
-        print(f"| {act} | {same}/{len(ours)} | {statistics.mean(shared):.1f} of "
-              f"{args.max_tokens} | {min(shared)} |", flush=True)
+        same = sum(same_text(tok, ids, text) for ids, text in zip(ours, theirs))
+        gaps = [divergence_gap(tok, out.token_ids, out.logprobs, text, s)
+                for out, text, s in zip(outs, theirs, shared) if s < len(out.token_ids)]
+        found = [g for g in gaps if g is not None]
+        parted = (f"{statistics.median(found):.3f} / {max(found):.3f}" if found else "-") + (
+            f" ({len(gaps) - len(found)} outside our top {TOP})" if len(found) < len(gaps)
+            else "")
+        total = sum(len(ids) for ids in ours)
+        print(f"| {act} | {same}/{len(ours)} | {sum(shared)} of {total} "
+              f"({100 * sum(shared) / total:.1f}%) | {min(shared)} | {parted} |", flush=True)
         del llm
     return 0
 

@@ -3,16 +3,20 @@ prompt text llama.cpp reads."""
 
 from __future__ import annotations
 
-from bench.agreement import prompt_texts, shared_tokens
+import pytest
+
+from bench.agreement import divergence_gap, prompt_texts, same_text, shared_tokens
 
 
 class Letters:
-    """A tokenizer whose token i is the letter chr(ord('a') + i); token 25 is BOS ("<s>")."""
+    """A tokenizer whose token i is the letter chr(ord('a') + i); token 25 is BOS ("<s>"), a
+    special token."""
 
     bos_token_id = 25
 
-    def decode(self, ids):
-        return "".join("<s>" if i == 25 else chr(ord("a") + i) for i in ids)
+    def decode(self, ids, skip_special_tokens=False):
+        bos = "" if skip_special_tokens else "<s>"
+        return "".join(bos if i == 25 else chr(ord("a") + i) for i in ids)
 
 
 def test_shared_tokens_counts_the_common_start():
@@ -22,8 +26,26 @@ def test_shared_tokens_counts_the_common_start():
     assert shared_tokens(tok, [0, 1, 2], "abcdef") == 3  # llama.cpp's text may run on
     assert shared_tokens(tok, [3, 1], "abc") == 0
     assert shared_tokens(tok, [], "abc") == 0
+    assert shared_tokens(tok, [0, 1, 25], "ab") == 3  # the end of the reply prints nothing
+
+
+def test_same_text_ignores_special_tokens_and_the_final_newline():
+    tok = Letters()
+    assert same_text(tok, [0, 1, 25], "ab\n")
+    assert not same_text(tok, [0, 1], "abc")
 
 
 def test_prompt_text_leaves_out_a_leading_bos_only():
     tok = Letters()
     assert prompt_texts(tok, [[25, 0, 1], [0, 25, 1], [2]]) == ["ab", "a<s>b", "c"]
+
+
+def test_divergence_gap_finds_llamacpps_token_among_the_top():
+    from specserve.outputs import TokenLogprob
+
+    tok = Letters()
+    logprobs = [TokenLogprob(0, -0.1, [(0, -0.1), (1, -2.3)]),
+                TokenLogprob(1, -0.5, [(1, -0.5), (2, -0.6), (3, -1.0)])]
+    assert divergence_gap(tok, [0, 1], logprobs, "ac", 1) == pytest.approx(0.1)
+    assert divergence_gap(tok, [0, 1], logprobs, "ad", 1) == pytest.approx(0.5)
+    assert divergence_gap(tok, [0, 1], logprobs, "ax", 1) is None
