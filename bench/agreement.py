@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench.agreement")
     print(f"{args.target.name}: {len(questions)} held-out prompts x {args.max_tokens} greedy "
           f"tokens, beside llama-completion; {args.threads} threads")
     print("| activations | identical continuations | our tokens shared from the start | "
-          "fewest in one |"
+          "fewest in one | "
           "where they part, log p(ours) - log p(llama.cpp's), median / max (nats) |\n"
           "|---|---|---|---|---|")
     for act in acts:
