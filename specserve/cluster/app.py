@@ -76,8 +76,11 @@ class ClusterOptions:
 def build_application(options: ClusterOptions) -> serve.Application:
     """The engine replicas (and the prefill pool) as one application; its ingress is the
     engine deployment, which `serve.run(..., route_prefix=None)` keeps off HTTP."""
-    router = RequestRouterConfig(request_router_class=ReplicaSet,
-                                 request_routing_stats_period_s=options.stats_period_s)
+    def router(deployment: str) -> RequestRouterConfig:
+        return RequestRouterConfig(request_router_class=ReplicaSet,
+                                   request_router_kwargs={"deployment": deployment},
+                                   request_routing_stats_period_s=options.stats_period_s)
+
     prefill_pool = None
     if options.prefill_replicas:
         prefill_pool = serve.deployment(
@@ -85,6 +88,7 @@ def build_application(options: ClusterOptions) -> serve.Application:
             ray_actor_options={"num_cpus": options.cpus_per_replica,
                                "runtime_env": RUNTIME_ENV},
             max_ongoing_requests=options.max_ongoing_requests,
+            request_router_config=router(PREFILL),
             health_check_period_s=2, health_check_timeout_s=10,
             graceful_shutdown_timeout_s=options.drain_timeout_s, logging_config=LOGGING,
         ).bind(options.engine_options, options.kv_token)
@@ -92,7 +96,7 @@ def build_application(options: ClusterOptions) -> serve.Application:
         EngineReplica, name=REPLICAS, num_replicas=options.num_replicas,
         ray_actor_options={"num_cpus": options.cpus_per_replica, "runtime_env": RUNTIME_ENV},
         max_ongoing_requests=options.max_ongoing_requests,
-        request_router_config=router,
+        request_router_config=router(REPLICAS),
         health_check_period_s=2, health_check_timeout_s=10,
         graceful_shutdown_timeout_s=options.drain_timeout_s, logging_config=LOGGING,
     ).bind(options.engine_options, options.stream_token, prefill_pool, options.kv_token)

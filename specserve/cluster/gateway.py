@@ -15,7 +15,7 @@ from ray import serve
 
 from ..server import ServerLimits, create_app, uvicorn_config
 from ..server.drain import DrainingServer
-from .app import REPLICAS, ROUTERS, ClusterOptions
+from .app import PREFILL, REPLICAS, ROUTERS, ClusterOptions
 from .gateway_engine import ClusterEngine
 
 
@@ -26,9 +26,14 @@ def gateway_server(app_name: str, options: ClusterOptions, host: str, port: int,
     the caller's. The replicas must be up: their facts are read here."""
     handle = serve.get_deployment_handle(REPLICAS, app_name)
     facts = handle.facts.remote().result()  # also builds the handle's `ReplicaSet`
+    prefill = None
+    if options.prefill_replicas:  # its handle's `ReplicaSet` brings their reports to /health
+        prefill = serve.get_deployment_handle(PREFILL, app_name)
+        prefill.stats.remote().result()
     router = ROUTERS[options.routing](**options.router_options)
     engine = ClusterEngine(handle, facts, options.num_replicas, options.stream_token, router,
-                           report_period_s=options.stats_period_s)
+                           report_period_s=options.stats_period_s, prefill_handle=prefill,
+                           num_prefill_replicas=options.prefill_replicas)
     limits = ServerLimits.for_engine(engine, **options.limit_overrides)
     app = create_app(engine, limits=limits, **options.app_options)
     return DrainingServer(uvicorn_config(app, host, port, log_level),

@@ -32,6 +32,7 @@ from ..server.metrics import scheduler_counts
 from ..speculation.modes import SpecMode, parse_speculation
 from ..validation import RequestLimits, check_lengths, check_prompt_ids
 from . import registry
+from .app import PREFILL, REPLICAS
 from .channel import ReplicaConnection, ReplicaGone, Turn
 from .replica import EngineFacts
 from .router import Candidate, LiveReplica
@@ -44,9 +45,16 @@ class NoReplica(RuntimeError):
 
 
 def registered_replicas() -> list[LiveReplica]:
-    """The live replicas as this process's `ReplicaSet` knows them (none before it is built)."""
-    replica_set = registry.current_router()
+    """The live engine replicas as this process's `ReplicaSet` knows them (none before it is
+    built)."""
+    replica_set = registry.current_router(REPLICAS)
     return [] if replica_set is None else replica_set.live()
+
+
+def registered_prefill_reports() -> dict[str, dict]:
+    """The prefill replicas' last reports, by id (none before their `ReplicaSet` is built)."""
+    replica_set = registry.current_router(PREFILL)
+    return {} if replica_set is None else replica_set.reports()
 
 
 class RemoteStream(DeltaStream):
@@ -70,8 +78,15 @@ class ClusterEngine:
     def __init__(self, handle: DeploymentHandle, facts: EngineFacts, num_replicas: int,
                  stream_token: str, router, retries: int = 2, report_period_s: float = 1.0,
                  live: Callable[[], list[LiveReplica]] = registered_replicas,
-                 wait_for_replica_s: float = 30.0) -> None:
+                 wait_for_replica_s: float = 30.0, prefill_handle: DeploymentHandle | None = None,
+                 num_prefill_replicas: int = 0,
+                 prefill_reports: Callable[[], dict[str, dict]] = registered_prefill_reports,
+                 ) -> None:
         self.handle = handle  # its router keeps the live replicas (`live`) current
+        # With a prefill pool: its handle's router keeps the prefill replicas' reports.
+        self.prefill_handle = prefill_handle
+        self.num_prefill_replicas = num_prefill_replicas
+        self.prefill_reports = prefill_reports
         self.stream_token = stream_token
         self.router = router  # the routing policy (router.py)
         self.live = live
@@ -117,6 +132,8 @@ class ClusterEngine:
                 opening.result().close()
         self._connections.clear()
         await self.handle.shutdown_async()
+        if self.prefill_handle is not None:
+            await self.prefill_handle.shutdown_async()
 
     @property
     def running(self) -> bool:
@@ -184,15 +201,42 @@ class ClusterEngine:
                         "memory_bytes": report["rss_bytes"]})
         return out
 
+    def prefill_replicas(self) -> list[dict]:
+        """Each live prefill replica as of its last report, for /health: `status` as for the
+        engine replicas ("ok" or "stale")."""
+        now = time.time()
+        out = []
+        for rid, report in sorted(self.prefill_reports().items()):
+            age = max(0.0, now - report["time"])
+            blocks, free = report["num_blocks"], report["num_free_blocks"]
+            ok = report["running"] and age <= self.stale_after_s
+            out.append({"replica": rid, "status": "ok" if ok else "stale",
+                        "report_age_s": round(age, 3),
+                        "requests_in_flight": report["num_in_flight"],
+                        "kv_blocks_total": blocks, "kv_blocks_free": free,
+                        "kv_cache_usage_perc": 1.0 - free / blocks if blocks else 0.0,
+                        "transfers_held": report["num_held"],
+                        "memory_bytes": report["rss_bytes"]})
+        return out
+
     def replica_health(self) -> dict:
         """/health behind the gateway: "ok" with every replica healthy, "degraded" with some
-        (it still serves), "unavailable" with none; and each replica's entry."""
+        (it still serves), "unavailable" with no engine replica healthy, or no prefill replica
+        where there is a prefill pool; and each replica's entry."""
         replicas = self.replicas()
         healthy = sum(r["status"] == "ok" for r in replicas)
-        status = ("ok" if healthy >= self.num_replicas else "degraded" if healthy
-                  else "unavailable")
-        return {"status": status, "replicas_expected": self.num_replicas,
-                "replicas_healthy": healthy, "replicas": replicas}
+        body = {"replicas_expected": self.num_replicas, "replicas_healthy": healthy,
+                "replicas": replicas}
+        short = healthy < self.num_replicas
+        if self.num_prefill_replicas:
+            prefill = self.prefill_replicas()
+            prefill_healthy = sum(r["status"] == "ok" for r in prefill)
+            body.update(prefill_replicas_expected=self.num_prefill_replicas,
+                        prefill_replicas_healthy=prefill_healthy, prefill_replicas=prefill)
+            short = short or prefill_healthy < self.num_prefill_replicas
+            healthy = min(healthy, prefill_healthy)
+        status = "unavailable" if not healthy else "degraded" if short else "ok"
+        return {"status": status, **body}
 
     def request_counts(self) -> tuple[int, int]:
         """(running, waiting) over the cluster, vLLM's meanings: each replica's scheduler

@@ -12,6 +12,7 @@ frees its blocks; a transfer that was answered but not pulled is released by the
 from __future__ import annotations
 
 import asyncio
+import time
 
 import msgspec
 import ray
@@ -21,6 +22,7 @@ from ..disagg.decode import PrefillUnavailable
 from ..disagg.prefill import SAMPLING_FIELDS, PrefillEngine
 from ..disagg.protocol import KVTransferParams
 from ..sampling import SamplingParams
+from .replica import resident_bytes
 
 
 class PrefillReplica:
@@ -47,6 +49,12 @@ class PrefillReplica:
         return {"num_blocks": pool.num_blocks, "num_free_blocks": pool.num_free_blocks,
                 "num_held": self.engine.handoff.num_held,
                 "num_in_flight": self.engine.num_in_flight()}
+
+    def record_routing_stats(self) -> dict:
+        """`stats` with the wall-clock time, whether the engine runs, and the process's
+        memory, for the gateway's /health (Serve polls it as it does the engine replicas')."""
+        return {**self.stats(), "time": time.time(), "running": self.engine.running,
+                "rss_bytes": resident_bytes()}
 
     def check_health(self) -> None:
         if not self.engine.running:

@@ -1,5 +1,5 @@
-"""Where the gateway finds the engine deployment's request router (`router.ReplicaSet`) of its
-process.
+"""Where the gateway finds its process's request routers (`router.ReplicaSet`), one per
+deployment: the engine replicas', and the prefill replicas' when there is a prefill pool.
 
 Ray Serve builds the router inside the deployment handle, from a copy of `router.py` it ships
 by value, so the copy's class attributes are not the module's. The router registers itself
@@ -9,14 +9,13 @@ live replicas and their reports through it.
 
 from __future__ import annotations
 
-_current = None  # the ReplicaSet this process built last
+_current: dict[str, object] = {}  # deployment name -> the ReplicaSet this process built last
 
 
-def register(router) -> None:
-    global _current
-    _current = router
+def register(deployment: str, router) -> None:
+    _current[deployment] = router
 
 
-def current_router():
-    """The router, or None before the first request has built it."""
-    return _current
+def current_router(deployment: str):
+    """The deployment's router, or None before the first call through its handle built it."""
+    return _current.get(deployment)

@@ -85,13 +85,19 @@ class LiveReplica:
 
 
 class ReplicaSet(RequestRouter):
-    """The engine deployment's request router: Serve keeps its replicas current in the
-    gateway's process, and it registers itself there so the gateway reads them (`live`).
-    Serve routes only the gateway's few calls of its own through it (`facts`), to any
-    replica; turns go over `channel.py`."""
+    """The request router of a deployment (the engine replicas, the prefill pool): Serve keeps
+    its replicas current in the gateway's process, and it registers itself there under its
+    deployment's name so the gateway reads them (`live`, `reports`). Serve routes only calls
+    of the handle's own through it (the engine's `facts`, a decode replica's prefills), to
+    the least-loaded replica; turns go over `channel.py`."""
 
-    def initialize_state(self) -> None:
-        registry.register(self)
+    def initialize_state(self, deployment: str) -> None:
+        registry.register(deployment, self)
+
+    def reports(self) -> dict[str, dict]:
+        """Each running replica's last `record_routing_stats` report, by id (once it came)."""
+        return {rid.to_full_id_str(): replica.routing_stats
+                for rid, replica in dict(self.curr_replicas).items() if replica.routing_stats}
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None,

@@ -9,6 +9,8 @@ bad input is refused at once."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import time
 from pathlib import Path
 
 import pytest
@@ -275,5 +277,36 @@ def test_bad_requests_are_refused_at_once():
             eng.add_request([1] * 60, SamplingParams(max_tokens=10))
         with pytest.raises(ValueError, match="draft"):
             eng.add_request([1], SamplingParams(max_tokens=4), speculation="chain:3")
+
+    run(test)
+
+
+def test_health_counts_each_pool():
+    """/health's status: every replica of both pools healthy is "ok", some short "degraded",
+    no engine replica or no prefill replica "unavailable"; a stale report is not healthy."""
+    async def test(replicas):
+        await replicas.add("e0", FakeEngine([[1]]))
+        now = time.time()
+        engine_report = {"time": now, "running": True, "num_in_flight": 0, "max_num_seqs": 4,
+                         "num_blocks": 8, "num_free_blocks": 8, "prefix_hit_rate": 0.0,
+                         "rss_bytes": 1, "stats": {}}
+        replicas.live[0] = dataclasses.replace(replicas.live[0], report=engine_report)
+        prefill = {"p0": {"time": now, "running": True, "num_in_flight": 1, "num_blocks": 8,
+                          "num_free_blocks": 6, "num_held": 1, "rss_bytes": 2}}
+        eng = cluster_engine(replicas, num_prefill_replicas=2,
+                             prefill_reports=lambda: prefill)
+        eng.num_replicas = 1
+        body = eng.replica_health()
+        assert (body["status"], body["prefill_replicas_healthy"]) == ("degraded", 1)
+        assert body["prefill_replicas"][0] == {
+            "replica": "p0", "status": "ok", "report_age_s": body["prefill_replicas"][0][
+                "report_age_s"], "requests_in_flight": 1, "kv_blocks_total": 8,
+            "kv_blocks_free": 6, "kv_cache_usage_perc": 0.25, "transfers_held": 1,
+            "memory_bytes": 2}
+        prefill["p1"] = {**prefill["p0"]}
+        assert eng.replica_health()["status"] == "ok"
+        for report in prefill.values():
+            report["time"] = now - 60  # both stopped reporting
+        assert eng.replica_health()["status"] == "unavailable"
 
     run(test)

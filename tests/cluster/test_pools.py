@@ -1,7 +1,7 @@
 """Prefill and decode pools on Ray Serve: one prefill replica and one decode replica behind
 the gateway (their own local cluster) stream the same greedy tokens as one engine, with the KV
-moved between them under a KV token; an abort mid-decode frees the blocks on both sides; and
-nothing is left behind."""
+moved between them under a KV token; /health reports both pools per replica; an abort
+mid-decode frees the blocks on both sides; and nothing is left behind."""
 
 from __future__ import annotations
 
@@ -66,6 +66,23 @@ def test_pools_stream_what_one_engine_streams(pools, tiny_target):
         assert metrics["kv_transfer_ms"] > 0  # prefilled on the pool, pulled with the token
         assert metrics["replica"].startswith("SERVE_REPLICA::specserve#engine#")
     wait_idle(pools)
+
+
+def test_health_reports_both_pools_per_replica(pools):
+    deadline = time.monotonic() + 30
+    while True:
+        body = httpx.get(f"{pools.http}/health", timeout=10).json()
+        if body.get("prefill_replicas_healthy") == 1 and body.get("replicas_healthy") == 1:
+            break
+        assert time.monotonic() < deadline, body
+        time.sleep(0.2)
+    assert body["status"] == "ok" and body["prefill_replicas_expected"] == 1, body
+    (prefill,) = body["prefill_replicas"]
+    assert prefill["replica"].startswith("SERVE_REPLICA::specserve#prefill#")
+    assert prefill["kv_blocks_total"] == NUM_BLOCKS and prefill["transfers_held"] == 0
+    assert prefill["memory_bytes"] > 0 and prefill["report_age_s"] < 5
+    (decode,) = body["replicas"]
+    assert decode["replica"].startswith("SERVE_REPLICA::specserve#engine#")
 
 
 def test_abort_mid_decode_frees_both_pools(pools):
