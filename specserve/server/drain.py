@@ -59,6 +59,10 @@ class DrainingServer(uvicorn.Server):
         for connection in list(self.server_state.connections):
             _tolerate_closing_handshake(connection)
         await super().shutdown(sockets=None)
+        if self.force_exit:
+            # uvicorn skips the lifespan's shutdown after a second signal; its task then died
+            # cancelled at exit with a traceback, and the engine was never shut down.
+            await self.lifespan.shutdown()
 
     async def drain(self) -> None:
         admission = self.admission
