@@ -37,6 +37,10 @@ from ..sampling import SamplingParams
 log = logging.getLogger("specserve.cluster")
 
 _HEADER = struct.Struct("!I")  # each frame: its body's length, then a msgpack body
+# Frames longer than this end the connection: a garbage length must not make the reader
+# buffer gigabytes (the longest real ones carry prompt log-probabilities, tens of MB).
+MAX_FRAME = 256 << 20
+MAX_HELLO = 1024  # the first frame, read before the peer has shown the token
 
 
 @dataclass(frozen=True)
@@ -76,8 +80,10 @@ def _frame(message) -> bytes:
     return _HEADER.pack(len(body)) + body
 
 
-async def _read_frame(reader: asyncio.StreamReader) -> bytes:
+async def _read_frame(reader: asyncio.StreamReader, limit: int = MAX_FRAME) -> bytes:
     (size,) = _HEADER.unpack(await reader.readexactly(_HEADER.size))
+    if size > limit:
+        raise ConnectionAbortedError(f"a frame of {size} bytes (at most {limit})")
     return await reader.readexactly(size)
 
 
@@ -107,7 +113,7 @@ class StreamServer:
         turns: dict[str, asyncio.Task] = {}
         self._writers.add(writer)
         try:
-            hello = _to_replica.decode(await _read_frame(reader))
+            hello = _to_replica.decode(await _read_frame(reader, MAX_HELLO))
             if not (isinstance(hello, Hello) and hmac.compare_digest(hello.token, self.token)):
                 log.warning("a stream connection without the application's token, closed")
                 return

@@ -50,13 +50,13 @@ class PrefillReplica:
                 "num_held": self.engine.handoff.num_held,
                 "num_in_flight": self.engine.num_in_flight()}
 
-    def record_routing_stats(self) -> dict:
+    async def record_routing_stats(self) -> dict:
         """`stats` with the wall-clock time, whether the engine runs, and the process's
         memory, for the gateway's /health (Serve polls it as it does the engine replicas')."""
         return {**self.stats(), "time": time.time(), "running": self.engine.running,
                 "rss_bytes": resident_bytes()}
 
-    def check_health(self) -> None:
+    async def check_health(self) -> None:
         if not self.engine.running:
             raise RuntimeError("the prefill engine is not running")
 

@@ -67,10 +67,11 @@ class EngineReplica:
         with the replica, before any report)."""
         return {"stream_host": ray.util.get_node_ip_address(), "stream_port": self.stream_port}
 
-    def record_routing_stats(self) -> dict:
+    async def record_routing_stats(self) -> dict:
         """Load, KV and memory numbers for the gateway's /health and /metrics (Ray Serve polls
         this every `request_routing_stats_period_s` and hands it to the gateway's router).
-        `time` (wall clock) lets the gateway tell a report that stopped coming."""
+        `time` (wall clock) lets the gateway tell a report that stopped coming. A coroutine,
+        as `check_health`: Serve runs a plain method in a worker thread, started per call."""
         engine = self.engine
         pool = engine.kv_pool()
         return {"time": time.time(), "running": engine.running,
@@ -80,7 +81,7 @@ class EngineReplica:
                 "prefix_hit_rate": pool.prefix_hit_rate, "rss_bytes": resident_bytes(),
                 "stats": asdict(engine.stats)}
 
-    def check_health(self) -> None:
+    async def check_health(self) -> None:
         if not self.engine.running:
             raise RuntimeError(f"replica {self.replica_id}: the engine is not running")
 

@@ -3,13 +3,14 @@ replica is the real `StreamServer` on 127.0.0.1 over a fake engine (the layer be
 streams scripted deltas. Deltas pass through (also several in one frame), the turn and its
 parameters cross intact, a replica unreachable or gone before its first delta is retried on
 another, one gone mid-stream ends the stream with an error, an abort always ends the stream
-and aborts the turn on its replica, a wrong token is refused, shutdown closes everything, and
-bad input is refused at once."""
+and aborts the turn on its replica, a wrong token or an oversized first frame is refused,
+shutdown closes everything, bad input is refused at once, and /health counts both pools."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import struct
 import time
 from pathlib import Path
 
@@ -250,6 +251,17 @@ def test_a_replica_refuses_a_connection_without_its_token():
         # Closed after the hello: the gateway reads an end, or a reset of what it sent after.
         assert out[-1].finish_reason == "error" and "connection" in out[-1].error
         assert replicas.servers[0].engine.requests == []
+
+    run(test)
+
+
+def test_a_replica_closes_a_connection_whose_first_frame_is_too_long():
+    async def test(replicas):
+        await replicas.add("r0", FakeEngine([[1]]))
+        reader, writer = await asyncio.open_connection("127.0.0.1", replicas.live[0].port)
+        writer.write(struct.pack("!I", 1 << 30))  # a gigabyte would follow: not waited for
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+        writer.close()
 
     run(test)
 
