@@ -14,7 +14,7 @@ Ray starts locally, and every engine runs on one torch thread:
   (tokens - 1)) of one short prompt, speculation off (one token per event), the engine's own
   TTFT (from its request's arrival to its first token: what the engine's process adds, apart
   from the path to it and back), and each serving process's CPU per request. The difference is
-  what the hop through Ray costs.
+  what the hop to the replica and back costs.
 - routing: a fresh 2-replica application per router (each starts with cold caches), the same
   workload on each: conversations sharing one system prompt, each a WebSocket session of
   `--turns` turns whose messages carry the whole history (canned assistant replies, so both
