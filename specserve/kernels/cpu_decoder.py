@@ -1,7 +1,9 @@
-"""A stack of decoder layers in one C call (cpu_decoder.c), and the gated activation alone.
+"""A stack of decoder layers in one C call (cpu_decoder.c), and the gated activations (SwiGLU,
+GeGLU) alone.
 
 `DecoderStack` holds what `decoder_layers` reads: every layer's norms and projections (bf16
-weights or GGUF blocks), the attention shape and the rotary tables. It is built once per model
+weights or GGUF blocks, a fused projection in one part per block format), the attention shape,
+scale and each layer's window, and each layer's rotary tables. It is built once per model
 from its weights (see specserve/model/cpu_stack.py) and then runs whole forwards of a few rows:
 decode, verify, short prompt chunks. Each layer step runs the kernel the layer-by-layer path
 calls for it, so the two give the same bits; the stack removes the Python dispatch between
@@ -131,7 +133,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
 
 def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     """gate_up [T, 2I] -> F.gelu(gate, approximate="tanh") * up [T, I] (Gemma's GeGLU; gelu
-    within a few fp32 ulp of torch's), or None when the kernel does not apply."""
+    within a few fp32 ulp of torch's where torch's 1 + tanh keeps its bits), or None when the
+    kernel does not apply."""
     return _gated(gate_up, "gelu_tanh_mul_rows")
 
 
