@@ -166,8 +166,8 @@ class Outbox:
     pass of the event loop go out as one frame. The engine hands a step's deltas to all its
     streams at once, so with n turns on a connection a step costs one write here and one
     read and decode at the gateway instead of n (16 turns of a fake engine stepping together
-    on the 2-core bench machine: 44-52 us of CPU per delta for both ends against 59-61, p50
-    from the step to the gateway 510-580 us against 740-750). A lone turn writes at once:
+    on the 2-core bench machine: 40-46 us of CPU per delta for both ends against 56-58, p50
+    from the step to the gateway 460-530 us against 700-730). A lone turn writes at once:
     nothing could join it, and waiting for the next pass would only add latency."""
 
     def __init__(self, writer: asyncio.StreamWriter, turns: dict) -> None:
