@@ -35,7 +35,7 @@ from . import registry
 from .app import PREFILL, REPLICAS
 from .channel import ReplicaConnection, ReplicaGone, Turn
 from .replica import EngineFacts
-from .router import Candidate, LiveReplica
+from .router import Candidate, LiveReplica, RoutingPolicy
 
 log = logging.getLogger("specserve.cluster")
 
@@ -66,7 +66,7 @@ class RemoteStream(DeltaStream):
         self.started = False  # a delta came: the turn may no longer be retried
 
     def abort(self) -> None:
-        """The replica's generator is cancelled (its engine frees the blocks) and the stream
+        """The turn is aborted on its replica (its engine frees the blocks) and the stream
         ends with an `abort` delta."""
         if self.task is not None and not self.task.done():
             self.task.cancel()
@@ -76,7 +76,8 @@ class ClusterEngine:
     """The engine face of N replicas (see the module docstring)."""
 
     def __init__(self, handle: DeploymentHandle, facts: EngineFacts, num_replicas: int,
-                 stream_token: str, router, retries: int = 2, report_period_s: float = 1.0,
+                 stream_token: str, router: RoutingPolicy, retries: int = 2,
+                 report_period_s: float = 1.0,
                  live: Callable[[], list[LiveReplica]] = registered_replicas,
                  wait_for_replica_s: float = 30.0, prefill_handle: DeploymentHandle | None = None,
                  num_prefill_replicas: int = 0,

@@ -30,6 +30,7 @@ from __future__ import annotations
 import random
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Protocol
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
@@ -129,6 +130,19 @@ class Candidate:
     @property
     def has_room(self) -> bool:
         return self.queue < self.capacity
+
+
+class RoutingPolicy(Protocol):
+    """What the gateway asks of a routing policy."""
+
+    def choose(self, turn: Turn, candidates: list[Candidate]) -> Candidate:
+        """The replica for `turn` among `candidates` (at least one)."""
+
+    def routed(self, turn: Turn, replica_id: str) -> None:
+        """`turn` went to `replica_id`."""
+
+    def forget(self, replica_id: str) -> None:
+        """The replica is gone."""
 
 
 def shortest(candidates: list[Candidate]) -> Candidate:
