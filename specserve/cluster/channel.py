@@ -215,6 +215,7 @@ class ReplicaConnection:
         self._reader, self._writer = reader, writer
         self._turns: dict[str, tuple[Callable[[RequestDelta], None], asyncio.Future]] = {}
         self.closed = False
+        self._close_reason = "the gateway closed the connection"
         self._task = asyncio.get_running_loop().create_task(self._read())
 
     @classmethod
@@ -238,7 +239,10 @@ class ReplicaConnection:
         if self._turns.pop(request_id, None) is not None and not self.closed:
             self._writer.write(_frame(Abort(request_id)))
 
-    def close(self) -> None:
+    def close(self, reason: str | None = None) -> None:
+        """End the connection; its turns end with `ReplicaGone(reason)`."""
+        if reason is not None:
+            self._close_reason = reason
         self._task.cancel()
 
     def when_closed(self, callback: Callable[[], None]) -> None:
@@ -260,7 +264,7 @@ class ReplicaConnection:
         except asyncio.IncompleteReadError:
             pass
         except asyncio.CancelledError:
-            reason = "the gateway closed the connection"
+            reason = self._close_reason
         except (ConnectionError, OSError, msgspec.DecodeError) as exc:
             reason = f"the connection to the replica failed ({type(exc).__name__}: {exc})"
         finally:

@@ -113,25 +113,27 @@ class ClusterEngine:
         self._connections: dict[str, asyncio.Task] = {}  # replica id -> its opening
         self._queues: Counter[str] = Counter()  # replica id -> turns in flight there
         self._unreachable: dict[str, float] = {}  # replica id -> when its connection failed
+        self.watch_period_s = 1.0  # how often connections are checked against the live set
+        self._watch: asyncio.Task | None = None
 
     # ---- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
         self._running = True
+        self._watch = asyncio.get_running_loop().create_task(self._watch_replicas())
 
     async def shutdown(self) -> None:
         """Abort every request in flight, wait until each stream has ended, close the
         connections, and stop the handle's router (it would otherwise poll Ray's controller for
         as long as this process lives)."""
         self._running = False
+        if self._watch is not None:
+            self._watch.cancel()
         tasks = [s.task for s in self._streams.values() if s.task is not None]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        for opening in self._connections.values():
-            opening.cancel()
-            if opening.done() and not opening.cancelled() and opening.exception() is None:
-                opening.result().close()
-        self._connections.clear()
+        for replica_id in list(self._connections):
+            self._close(replica_id)
         await self.handle.shutdown_async()
         if self.prefill_handle is not None:
             await self.prefill_handle.shutdown_async()
@@ -354,6 +356,25 @@ class ClusterEngine:
         connection = await ReplicaConnection.open(replica.host, replica.port, self.stream_token)
         connection.when_closed(lambda: self._lost(replica.replica_id) if self._running else None)
         return connection
+
+    async def _watch_replicas(self) -> None:
+        """Close the connection of each replica Serve no longer lists (dead, or failing its
+        health checks): a machine that vanished sends no end of stream, and the turns on its
+        connection would wait for it forever."""
+        while True:
+            await asyncio.sleep(self.watch_period_s)
+            live = {r.replica_id for r in self.live()}
+            for replica_id in [rid for rid in self._connections if rid not in live]:
+                self._close(replica_id, "the replica is gone (Ray Serve no longer lists it)")
+
+    def _close(self, replica_id: str, reason: str | None = None) -> None:
+        """Close the connection to `replica_id` (once open, if it is still opening: the turns
+        waiting for it then fail over as from a closed one)."""
+        def close(opening: asyncio.Future) -> None:
+            if not opening.cancelled() and opening.exception() is None:
+                opening.result().close(reason)
+
+        self._connections.pop(replica_id).add_done_callback(close)
 
     def _lost(self, replica_id: str) -> None:
         """Its connection failed: leave the replica alone a while, forget what it cached."""

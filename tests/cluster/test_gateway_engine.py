@@ -194,6 +194,30 @@ def test_a_replica_gone_mid_stream_ends_the_stream_with_an_error():
     run(test)
 
 
+def test_a_replica_ray_no_longer_lists_ends_its_streams():
+    """A replica whose machine vanished sends no end of stream: once Serve drops it from the
+    live set, the gateway closes its connection (a turn not yet started goes elsewhere)."""
+    async def test(replicas):
+        await replicas.add("r0", FakeEngine([[1]], HOLD))
+        await replicas.add("r1", FakeEngine([[2]]))
+        eng = cluster_engine(replicas)
+        eng.watch_period_s = 0.05
+        await eng.start()
+        keep_to(eng, "s", "r0")
+        stream = eng.add_request([1], SamplingParams(max_tokens=9), "s/a")
+        first = await stream.queue.get()
+        stream.queue.put_nowait(first)
+        replicas.live.pop(0)  # Serve dropped r0; its process (here: its server) lingers
+        out = await drain(stream)
+        assert out[0].token_ids == [1] and out[-1].finish_reason == "error"
+        assert "no longer lists it" in out[-1].error
+        out = await drain(eng.add_request([1], SamplingParams(max_tokens=9), "s/b"))
+        assert out[-1].metrics["replica"] == "r1"
+        await eng.shutdown()
+
+    run(test)
+
+
 @pytest.mark.parametrize("wait_first", [True, False])
 def test_abort_ends_the_stream_and_the_turn_on_its_replica(wait_first):
     async def test(replicas):
