@@ -22,7 +22,7 @@ from ..disagg.decode import PrefillUnavailable
 from ..disagg.prefill import SAMPLING_FIELDS, PrefillEngine
 from ..disagg.protocol import KVTransferParams
 from ..sampling import SamplingParams
-from .replica import resident_bytes
+from .memory import resident_bytes
 
 
 class PrefillReplica:

@@ -10,7 +10,6 @@ numbers to the gateway's /health and /metrics.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import asdict, dataclass
 
@@ -20,6 +19,7 @@ from ray.serve.handle import DeploymentHandle
 
 from ..engine import AsyncEngine, EngineLimits, ModelInfo
 from .channel import StreamServer
+from .memory import resident_bytes
 
 
 @dataclass(frozen=True)
@@ -93,11 +93,3 @@ class EngineReplica:
         if engine is not None:
             await engine.shutdown()
 
-
-def resident_bytes() -> int:
-    """This process's resident memory in bytes (Linux's /proc; 0 where unknown)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        return 0
