@@ -438,7 +438,7 @@ typedef struct {
     const float *d;     /* [M, nb] block scales dx */
     const float *s;     /* [M, nb] dx * sx (Q4_1's min term) */
     const int32_t *sum; /* [M, nb] sx = sum of the block's q */
-    const int32_t *sum16; /* [M, 2 nb] the sums of each block's halves (tiled Q6_K), or NULL */
+    const int32_t *sum16; /* [M, 2 nb] the sums of each block's halves (filled for tiled Q6_K) */
     const uint8_t *w;
     int fmt, act, group, wide; /* wide: q holds int16 (Q16, or Q8 values taken as int16) */
     int64_t N, kp, row_bytes, nb;
