@@ -84,3 +84,24 @@ def save_model(folder: Path, arch: str, seed: int = 0, dtype=torch.float32, **ov
     model.to(dtype).save_pretrained(folder)
     save_tokenizer(folder)
     return folder
+
+
+def k_quant_tensors(path, types: dict[str, str]) -> dict:
+    """The linear weights of the checkpoint in folder `path` as GGUF tensors (what
+    `use_file_blocks` reads), each projection (q_proj, v_proj, down_proj, ...) in the block type
+    `types` names, Q4_K by default."""
+    from types import SimpleNamespace
+
+    from gguf import GGMLQuantizationType
+    from safetensors.torch import load_file
+
+    from specserve.kernels.quant_reference import quantize
+
+    tensors = {}
+    for name, w in load_file(str(path / "model.safetensors")).items():
+        if name.endswith("proj.weight"):
+            fmt = types.get(name.split(".")[-2], "Q4_K")
+            tensors[name] = SimpleNamespace(ggml_type=GGMLQuantizationType[fmt],
+                                            shape=tuple(w.shape),
+                                            raw=quantize(w, fmt).blocks.numpy())
+    return tensors

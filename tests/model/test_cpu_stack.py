@@ -14,7 +14,7 @@ from specserve.kernels import cpu_decoder
 from specserve.kernels.cpu_decoder import DecoderStack
 from specserve.model.loader import load_model
 from specserve.model.runner import ModelRunner, Segment
-from tests.tiny_models import save_model
+from tests.tiny_models import k_quant_tensors, save_model
 
 PROMPT = list(range(3, 23))  # 20 tokens: within cpu_decoder.MAX_ROWS, so the stack takes it
 TREE = torch.tensor([[1, 0, 0, 0, 0],  # a root and two branches of two nodes
@@ -77,26 +77,6 @@ def test_stack_takes_each_activation_format(cpu_isa, tmp_path, monkeypatch, act,
     _compare(load_model(path, dtype="float32", quantization="int8"), monkeypatch)
 
 
-def _gguf_tensors(path, types: dict[str, str]) -> dict:
-    """The checkpoint's linear weights as GGUF tensors (what use_file_blocks reads), each
-    projection (q_proj, v_proj, down_proj, ...) in the block type `types` names, Q4_K if none."""
-    from types import SimpleNamespace
-
-    from gguf import GGMLQuantizationType
-    from safetensors.torch import load_file
-
-    from specserve.kernels.quant_reference import quantize
-
-    tensors = {}
-    for name, w in load_file(str(path / "model.safetensors")).items():
-        if name.endswith("proj.weight"):
-            fmt = types.get(name.split(".")[-2], "Q4_K")
-            tensors[name] = SimpleNamespace(ggml_type=GGMLQuantizationType[fmt],
-                                            shape=tuple(w.shape),
-                                            raw=quantize(w, fmt).blocks.numpy())
-    return tensors
-
-
 # A Q4_K_M-like mix with a part per format: q/k/v as three products (q Q4_K, k Q6_K, v Q4_K
 # again), gate/up as two; o and down one each.
 MIXED = {"k_proj": "Q6_K", "up_proj": "Q6_K", "down_proj": "Q6_K"}
@@ -115,7 +95,7 @@ def test_stack_runs_projections_of_several_formats(cpu_isa, tmp_path, monkeypatc
     path = save_model(tmp_path / arch, arch, seed=5, hidden_size=256, intermediate_size=256,
                       num_attention_heads=4, num_key_value_heads=2)
     model = load_model(path, dtype=dtype)
-    use_file_blocks(model, _gguf_tensors(path, MIXED))
+    use_file_blocks(model, k_quant_tensors(path, MIXED))
     qkv, gate_up = model.layers[0].self_attn.qkv_proj, model.layers[0].mlp.gate_up_proj
     assert isinstance(qkv, QuantizedParts) and len(qkv.parts) == 3
     assert isinstance(gate_up, QuantizedParts) and len(gate_up.parts) == 2

@@ -10,7 +10,7 @@ from specserve.kernels import quant_cpu
 from specserve.model.loader import load_model
 from specserve.model.quant import QuantizedLinear, resolve_quantization
 from specserve.model.runner import ModelRunner, Segment
-from tests.tiny_models import save_model
+from tests.tiny_models import k_quant_tensors, save_model
 
 # (mean, max) |logit difference| relative to the unquantized logits' standard deviation, on tiny
 # random models (hidden 64, Gaussian weights): int8 rounds each weight within 1/254 of its
@@ -234,26 +234,6 @@ def test_gguf_head_computes_logits_on_the_file_blocks(tmp_path, tied, fmt):
         torch.testing.assert_close(got, hidden @ dequantize(qw).T, rtol=1e-4, atol=1e-4)
 
 
-def _k_quant_tensors(path, types: dict[str, str]) -> dict:
-    """The checkpoint's linear weights as GGUF tensors, each projection (q_proj, v_proj,
-    down_proj, ...) in the type `types` names, Q4_K by default."""
-    from types import SimpleNamespace
-
-    from gguf import GGMLQuantizationType
-    from safetensors.torch import load_file
-
-    from specserve.kernels.quant_reference import quantize
-
-    tensors = {}
-    for name, w in load_file(str(path / "model.safetensors")).items():
-        if name.endswith("proj.weight"):
-            fmt = types.get(name.split(".")[-2], "Q4_K")
-            tensors[name] = SimpleNamespace(ggml_type=GGMLQuantizationType[fmt],
-                                            shape=tuple(w.shape),
-                                            raw=quantize(w, fmt).blocks.numpy())
-    return tensors
-
-
 @pytest.fixture(scope="module")
 def wide_target(tmp_path_factory):
     """A tiny llama whose widths are whole k-quant super-blocks (256)."""
@@ -270,7 +250,7 @@ def test_gguf_k_quants_and_mixed_parts_run_on_their_blocks(wide_target, monkeypa
     from specserve.model.quant import QuantizedParts, use_file_blocks
 
     monkeypatch.setenv("SPECSERVE_QUANT_ACT", "fp32")
-    tensors = _k_quant_tensors(wide_target, {"v_proj": "Q6_K", "down_proj": "Q6_K"})
+    tensors = k_quant_tensors(wide_target, {"v_proj": "Q6_K", "down_proj": "Q6_K"})
     ids = list(range(3, 30))
     model = load_model(wide_target, dtype="float32")
     replaced = use_file_blocks(model, tensors)
@@ -301,7 +281,7 @@ def test_gguf_k_quant_split_inside_a_super_block_keeps_the_loaded_weight(wide_ta
     from specserve.model.quant import use_file_blocks
 
     model = load_model(wide_target, dtype="float32", shard=TPShard(1, 2))
-    replaced = use_file_blocks(model, _k_quant_tensors(wide_target, {}))
+    replaced = use_file_blocks(model, k_quant_tensors(wide_target, {}))
     assert "layers.0.self_attn.o_proj" not in replaced
     assert isinstance(model.get_submodule("layers.0.self_attn.o_proj"), RowParallelLinear)
     assert "layers.0.self_attn.qkv_proj" in replaced and "layers.0.mlp.down_proj" in replaced
