@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 
 from bench.compare import chat_prompts
-from bench.cpu_paths import PEER, peer_bin
+from bench.cpu_paths import PEER, llamacpp_prompt_text, peer_bin
 from bench.options import add_threads, log
 from specserve import LLM, SamplingParams
 from specserve.draft_models.chat_prompts import HELD_OUT_PROMPTS
@@ -78,14 +78,6 @@ def same_text(tokenizer, ids: list[int], text: str) -> bool:
     return visible(tokenizer, ids).rstrip() == text.rstrip()
 
 
-def prompt_texts(tokenizer, prompts: list[list[int]]) -> list[str]:
-    """Each prompt as llama.cpp reads it: its text without a leading BOS, which llama.cpp adds
-    itself when the file asks for one."""
-    bos = tokenizer.bos_token_id
-    return [tokenizer.decode(p[1:] if bos is not None and p[:1] == [bos] else p)
-            for p in prompts]
-
-
 def main(argv: list[str] | None = None, prog: str = "python -m bench.agreement") -> int:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -130,7 +122,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench.agreement")
         if theirs is None:
             log("  llama-completion on each prompt")
             theirs = [llamacpp_text(bin_dir, args.target, text, args.max_tokens, args.threads)
-                      for text in prompt_texts(tok, prompts)]
+                      for text in (llamacpp_prompt_text(tok, p) for p in prompts)]
         outs = llm.generate(prompts, params)
         ours = [out.token_ids for out in outs]
         shared = [shared_tokens(tok, ids, text) for ids, text in zip(ours, theirs)]

@@ -130,13 +130,20 @@ def ensure_gguf(peer: Path, folder: Path, out: Path) -> Path:
     return out
 
 
+def llamacpp_prompt_text(tokenizer, prompt: list[int]) -> str:
+    """The prompt as llama.cpp reads it: its text without a leading BOS, which llama.cpp adds
+    itself when the file asks for one."""
+    bos = tokenizer.bos_token_id
+    return tokenizer.decode(prompt[1:] if bos is not None and prompt[:1] == [bos] else prompt)
+
+
 def llamacpp_runner(bin_dir: Path, target: Path, draft: Path | None, tokenizer,
                     max_tokens: int, threads: int):
     """One prompt through llama-completion (no draft) or llama-speculative; decode timing."""
 
     def run(prompt: list[int]) -> Sample:
         with tempfile.NamedTemporaryFile("w", suffix=".txt") as f:
-            f.write(tokenizer.decode(prompt) + "\n")  # -f strips one trailing newline
+            f.write(llamacpp_prompt_text(tokenizer, prompt) + "\n")  # -f strips one newline
             f.flush()
             common = ["-f", f.name, "-n", str(max_tokens), "-t", str(threads), "-tb",
                       str(threads), "--temp", "0", "--top-k", "1", "-c", "1024"]

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.agreement import divergence_gap, prompt_texts, same_text, shared_tokens
+from bench.agreement import divergence_gap, same_text, shared_tokens
+from bench.cpu_paths import llamacpp_prompt_text
 
 
 class Letters:
@@ -35,9 +36,10 @@ def test_same_text_ignores_special_tokens_and_the_final_newline():
     assert not same_text(tok, [0, 1], "abc")
 
 
-def test_prompt_text_leaves_out_a_leading_bos_only():
+def test_llamacpp_prompt_text_leaves_out_a_leading_bos_only():
     tok = Letters()
-    assert prompt_texts(tok, [[25, 0, 1], [0, 25, 1], [2]]) == ["ab", "a<s>b", "c"]
+    assert [llamacpp_prompt_text(tok, p) for p in ([25, 0, 1], [0, 25, 1], [2])] == [
+        "ab", "a<s>b", "c"]
 
 
 def test_divergence_gap_finds_llamacpps_token_among_the_top():
