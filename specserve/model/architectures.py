@@ -341,10 +341,14 @@ class DecoderLM(nn.Module):
             # Sliding layers attend with the plain kernels while no query is past the window.
             meta = replace(meta, max_position=int(positions.max()) if len(positions) else 0)
         for i, layer in enumerate(self.layers):
-            rotary = (self.rotary_local if layer.window is not None and self.rotary_local
-                      is not None else self.rotary)
-            x = layer(x, positions, rotary, kv_cache[i], meta)
+            x = layer(x, positions, self.rotary_for(layer), kv_cache[i], meta)
         return self.norm(x)
+
+    def rotary_for(self, layer: nn.Module) -> RotaryEmbedding:
+        """The rotary tables `layer` rotates with: Gemma's sliding layers have their own."""
+        if layer.window is not None and self.rotary_local is not None:
+            return self.rotary_local
+        return self.rotary
 
     def _apply(self, fn, recurse: bool = True):
         cpu_stack.forget(self)  # it points into the weights, which may move

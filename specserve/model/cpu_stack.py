@@ -65,9 +65,7 @@ def _stack(model: nn.Module, dtype: torch.dtype) -> DecoderStack | None:
 
 def _layer_weights(model: nn.Module, layer: nn.Module) -> LayerWeights:
     attn, mlp = layer.self_attn, layer.mlp
-    # The rotary tables DecoderLM.forward gives this layer: Gemma's sliding layers have theirs.
-    rotary = (model.rotary_local if layer.window is not None and model.rotary_local is not None
-              else model.rotary)
+    rotary = model.rotary_for(layer)
     return LayerWeights(_weight(layer.input_layernorm), _weight(layer.post_attention_layernorm),
                         _projection(attn.qkv_proj), _projection(attn.o_proj),
                         _projection(mlp.gate_up_proj), _projection(mlp.down_proj),
