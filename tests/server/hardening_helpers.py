@@ -8,10 +8,11 @@ one of them back after a test, so a leak of any kind fails the test that caused 
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import httpx
@@ -70,14 +71,37 @@ class Baseline:
         return cls(num_fds(), num_loop_tasks(srv), srv.engine.num_in_flight(),
                    state.admission.active, srv.core.block_manager.num_free_blocks)
 
-    def wait_back(self, srv: ServerThread, timeout: float = 15.0) -> None:
-        """Every counter back where it was (connections the server closes take a moment)."""
+    @classmethod
+    def settled(cls, srv: ServerThread, timeout: float = 5.0) -> Baseline:
+        """The idle state once the previous test's leftovers are gone: sockets that only the
+        garbage collector closes, and connections the server is still closing. Taken while
+        either is pending, the baseline counts a descriptor that then closes mid-test."""
         deadline = time.monotonic() + timeout
-        while (now := Baseline.of(srv)) != self:
+        gc.collect()
+        last = cls.of(srv)
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+            gc.collect()
+            if (now := cls.of(srv)) == last:
+                return now
+            last = now
+        return last
+
+    def wait_back(self, srv: ServerThread, timeout: float = 15.0) -> None:
+        """Every counter back where it was (connections the server closes take a moment).
+
+        Descriptors must not outnumber the baseline's; fewer means something opened before the
+        test closed during it, which is no leak."""
+        deadline = time.monotonic() + timeout
+        while not (now := Baseline.of(srv)).holds_no_more_than(self):
             if time.monotonic() > deadline:
                 raise AssertionError(f"not back to baseline: {now} != {self}")
             time.sleep(0.05)
+            gc.collect()
         srv.core.block_manager.check_no_leak()
+
+    def holds_no_more_than(self, before: Baseline) -> bool:
+        return self.fds <= before.fds and replace(self, fds=before.fds) == before
 
 
 def raw_http(port: int, data: bytes, timeout: float = 10.0) -> tuple[int, dict, bytes]:

@@ -46,7 +46,7 @@ def hard(tiny_target):
 
 @pytest.fixture(autouse=True)
 def baseline(hard):
-    before = Baseline.of(hard)
+    before = Baseline.settled(hard)
     yield
     before.wait_back(hard)
 
@@ -401,7 +401,7 @@ def test_a_kv_pool_too_small_preempts_and_completes_everything(tiny_target):
     num_blocks = 8  # 128 token slots; two requests of ~90 tokens each do not fit together
     srv = start_hard_server(tiny_target, num_blocks=num_blocks, max_queued_requests=4)
     try:
-        before = Baseline.of(srv)
+        before = Baseline.settled(srv)
         prompts = ["def add(a, b):" * 5, "The quick brown fox" * 5, "hello world" * 6]
 
         async def go():

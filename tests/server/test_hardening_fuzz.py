@@ -62,7 +62,7 @@ def fuzz_server(tiny_target):
 
 @pytest.fixture(autouse=True)
 def baseline(fuzz_server):
-    before = Baseline.of(fuzz_server)
+    before = Baseline.settled(fuzz_server)
     yield
     before.wait_back(fuzz_server)
 
