@@ -5,8 +5,9 @@
  * OpenMP team of num_threads) and returns the operations done; the caller times the call:
  *   ceiling_fma     fp32 multiply-adds: vf_fmadd, cpu_simd.h's vector width (the bf16 and
  *                   fp32-activation kernels' arithmetic after widening)
- *   ceiling_madd16  int16 pair multiply-adds into int32 lanes, 256-bit (the Q16 quantized
- *                   kernels' VPMADDWD + VPADDD; VPDPWSSD on the AVX-512 build, as they use)
+ *   ceiling_madd16  int16 pair multiply-adds into int32 lanes (the Q16 quantized kernels'
+ *                   VPMADDWD + VPADDD, 256-bit; 512-bit VPDPWSSD on the AVX-512 build, as its
+ *                   tiled kernels use)
  * Enough chains hide every latency, so the time is the issue throughput alone. Each operation
  * takes its chain's previous result (a loop-invariant product would be hoisted out of the loop),
  * and the results are folded into a value the caller receives, so no loop can be dropped. */
@@ -36,27 +37,42 @@ int64_t ceiling_fma(int64_t iters, float *sink, int num_threads) {
     return total;
 }
 
-/* Returns the int16 multiply-adds done (iters * ACCS * 16 per thread, summed). */
+/* int32 lanes of the int16 probe's vectors: 512-bit on the AVX-512 build, else 256-bit. */
+#if defined(SPECSERVE_ISA_AVX512)
+#define MADD16_LANES 16
+#else
+#define MADD16_LANES 8
+#endif
+
+/* Returns the int16 multiply-adds done (iters * ACCS * 2 * MADD16_LANES per thread, summed). */
 int64_t ceiling_madd16(int64_t iters, int32_t *sink, int num_threads) {
     int64_t total = 0;
 #pragma omp parallel num_threads(num_threads) reduction(+ : total)
     {
-#if defined(SPECSERVE_ISA_AVX512) || defined(SPECSERVE_ISA_AVX2)
+#if defined(SPECSERVE_ISA_AVX512)
+        __m512i acc[ACCS];
+        const __m512i a = _mm512_set1_epi16(3);
+        for (int j = 0; j < ACCS; j++) acc[j] = _mm512_set1_epi32(j);
+        for (int64_t i = 0; i < iters; i++)
+#pragma GCC unroll 8
+            for (int j = 0; j < ACCS; j++) acc[j] = _mm512_dpwssd_epi32(acc[j], acc[j], a);
+        uint32_t lanes[MADD16_LANES], folded = 0; /* unsigned: the fold wraps, defined */
+        for (int j = 0; j < ACCS; j++) {
+            _mm512_storeu_si512(lanes, acc[j]);
+            for (int l = 0; l < MADD16_LANES; l++) folded += lanes[l];
+        }
+#elif defined(SPECSERVE_ISA_AVX2)
         __m256i acc[ACCS];
         const __m256i a = _mm256_set1_epi16(3);
         for (int j = 0; j < ACCS; j++) acc[j] = _mm256_set1_epi32(j);
         for (int64_t i = 0; i < iters; i++)
 #pragma GCC unroll 8
             for (int j = 0; j < ACCS; j++)
-#if defined(SPECSERVE_ISA_AVX512)
-                acc[j] = _mm256_dpwssd_epi32(acc[j], acc[j], a);
-#else
                 acc[j] = _mm256_add_epi32(_mm256_madd_epi16(acc[j], a), _mm256_set1_epi32(-2));
-#endif
-        uint32_t lanes[8], folded = 0; /* unsigned: the fold wraps, defined */
+        uint32_t lanes[MADD16_LANES], folded = 0; /* unsigned: the fold wraps, defined */
         for (int j = 0; j < ACCS; j++) {
             _mm256_storeu_si256((__m256i *)lanes, acc[j]);
-            for (int l = 0; l < 8; l++) folded += lanes[l];
+            for (int l = 0; l < MADD16_LANES; l++) folded += lanes[l];
         }
 #else
         typedef int16_t v16 __attribute__((vector_size(32)));
@@ -81,7 +97,7 @@ int64_t ceiling_madd16(int64_t iters, int32_t *sink, int num_threads) {
 #endif
 #pragma omp critical
         *sink = (int32_t)((uint32_t)*sink + folded);
-        total += iters * ACCS * 16;
+        total += iters * ACCS * 2 * MADD16_LANES;
     }
     return total;
 }

@@ -80,7 +80,8 @@
  * the integer dot products differ per ISA (the AVX-512 build runs the 256-bit AVX2 integer code,
  * which its -m flags include, with AVX-512 VNNI's dot instructions in place of each multiply-add
  * pair: VPDPBUSD for maddubs + madd, VPDPWSSD for madd + add; both sum exactly the same
- * integers, and neither saturates). Built by cpu_build.py; called through
+ * integers, and neither saturates; the tiled order alone has 512-bit kernels of its own, a
+ * whole 16-row group per vector). Built by cpu_build.py; called through
  * specserve/kernels/quant_cpu.py.
  */
 #include <math.h>
@@ -1159,6 +1160,235 @@ SIMD_INLINE void tiled_micro_kernel(const int MR, const int NG, const int h0, co
 }
 #endif
 
+#if defined(SPECSERVE_ISA_AVX512)
+/* ---- the tiled order on AVX-512: a whole 16-row group per vector ----------------------------
+ *
+ * The kernels above take a tiled group as two 8-row halves in 256-bit vectors. With 512-bit
+ * vectors the group's 16 rows fill one: a word of all 16 rows (32 bytes) widens to 32 int16
+ * lanes, one row's pair per int32 lane, and one VPDPWSSD adds 32 products where the 256-bit
+ * kernel needs two, while the fp32 part (one lane per output) halves too. The integers and the
+ * fp32 operations per lane are the 256-bit kernels', in the same order, so the bits are the
+ * same (Zen 5, 2 threads, 24 widened layers of Q4_0 at 5 rows: see bench/RESULTS.md). Each row
+ * keeps two integer chains (the nibbles' halves, or even and odd words) so one activation row
+ * is not bound by VPDPWSSD's latency. */
+
+/* The activation pair at x (two int16) in every int32 lane of a 512-bit vector. */
+SIMD_INLINE __m512i pair_at16(const int16_t *x) {
+    int32_t pair;
+    memcpy(&pair, x, sizeof pair);
+    return _mm512_set1_epi32(pair);
+}
+
+/* Word w of all 16 rows of a tiled group's block t (32 bytes: rows 0..15). */
+SIMD_INLINE __m256i group_words(const uint8_t *t, int w) {
+    return _mm256_loadu_si256((const __m256i *)(t + 32 * w));
+}
+
+/* The 16 rows' fp16 field at word w as fp32 lanes. */
+SIMD_INLINE __m512 group_f16(const uint8_t *t, int w) { return _mm512_cvtph_ps(group_words(t, w)); }
+
+/* MR activation rows (int16 blocks) x a whole tiled group (Q8_0, Q4_0, Q4_1): out[i][r]. */
+SIMD_INLINE void group_micro_kernel(const int MR, const int fmt, const int_ctx *c, int64_t m0,
+                                    const uint8_t *group, float out[MR_MAX][TILE_ROWS]) {
+    const int bb = block_bytes(fmt), header = fmt == FMT_Q4_1 ? 2 : 1; /* words */
+    __m512 acc[MR_MAX];
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t blk = 0; blk < c->nb; blk++) {
+        const uint8_t *t = group + blk * TILE_ROWS * bb;
+        for (int line = 0; line < TILE_ROWS * bb; line += 64)
+            __builtin_prefetch(t + TILE_ROWS * c->row_bytes + line);
+        const __m512 dw = group_f16(t, 0);
+        const __m512 mw = fmt == FMT_Q4_1 ? group_f16(t, 1) : _mm512_setzero_ps();
+        const uint8_t *values = t + 32 * header;
+        const int16_t *x[MR_MAX];
+        __m512i isum[MR_MAX][2];
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; i++) {
+            x[i] = (const int16_t *)c->q + (m0 + i) * c->kp + blk * QK;
+            isum[i][0] = isum[i][1] = _mm512_setzero_si512();
+        }
+        if (fmt == FMT_Q8_0) {
+#pragma GCC unroll 16
+            for (int j = 0; j < 16; j++) {
+                const __m512i w = _mm512_cvtepi8_epi16(group_words(values, j));
+#pragma GCC unroll 8
+                for (int i = 0; i < MR; i++)
+                    isum[i][j % 2] = _mm512_dpwssd_epi32(isum[i][j % 2], w, pair_at16(x[i] + 2 * j));
+            }
+        } else {
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; j++) {
+                const __m512i bytes = _mm512_cvtepu8_epi16(group_words(values, j));
+                const __m512i low = _mm512_and_si512(bytes, _mm512_set1_epi16(0x0f));
+                const __m512i high = _mm512_srli_epi16(bytes, 4);
+#pragma GCC unroll 8
+                for (int i = 0; i < MR; i++) {
+                    isum[i][0] = _mm512_dpwssd_epi32(isum[i][0], low, pair_at16(x[i] + 2 * j));
+                    isum[i][1] = _mm512_dpwssd_epi32(isum[i][1], high, pair_at16(x[i] + 16 + 2 * j));
+                }
+            }
+        }
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; i++) {
+            const int64_t at = (m0 + i) * c->nb + blk;
+            __m512i is = _mm512_add_epi32(isum[i][0], isum[i][1]);
+            if (fmt == FMT_Q4_0) is = _mm512_sub_epi32(is, _mm512_set1_epi32(8 * c->sum[at]));
+            __m512 v = _mm512_mul_ps(_mm512_mul_ps(dw, _mm512_set1_ps(c->d[at])), _mm512_cvtepi32_ps(is));
+            if (fmt == FMT_Q4_1) v = _mm512_add_ps(v, _mm512_mul_ps(mw, _mm512_set1_ps(c->s[at])));
+            acc[i] = _mm512_add_ps(acc[i], v);
+        }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; i++) _mm512_storeu_ps(out[i], acc[i]);
+}
+
+/* Q4_K: the 16 rows' d sc (D[j]) and -(dmin m) (Mn[j]) of every sub-block j, decoded as
+ * q4_k_tiled_scales does for 8 rows, in int16 lanes of 256-bit vectors. */
+SIMD_INLINE void q4_k_group_scales(const uint8_t *t, __m512 D[SUBS], __m512 Mn[SUBS]) {
+    const __m512 d = group_f16(t, 0), dmin = group_f16(t, 1);
+    __m256i bytes[12];
+    for (int w = 0; w < 6; w++) {
+        const __m256i words = group_words(t, 2 + w);
+        bytes[2 * w] = _mm256_and_si256(words, _mm256_set1_epi16(0xff));
+        bytes[2 * w + 1] = _mm256_srli_epi16(words, 8);
+    }
+    for (int j = 0; j < SUBS; j++) {
+        __m256i sc, m;
+        if (j < 4) {
+            sc = _mm256_and_si256(bytes[j], _mm256_set1_epi16(63));
+            m = _mm256_and_si256(bytes[j + 4], _mm256_set1_epi16(63));
+        } else {
+            sc = _mm256_or_si256(_mm256_and_si256(bytes[j + 4], _mm256_set1_epi16(15)),
+                                 _mm256_slli_epi16(_mm256_srli_epi16(bytes[j - 4], 6), 4));
+            m = _mm256_or_si256(_mm256_srli_epi16(bytes[j + 4], 4),
+                                _mm256_slli_epi16(_mm256_srli_epi16(bytes[j], 6), 4));
+        }
+        D[j] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(sc)));
+        Mn[j] = _mm512_castsi512_ps(_mm512_xor_si512(
+            _mm512_castps_si512(_mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(m)))),
+            _mm512_set1_epi32((int)0x80000000u)));
+    }
+}
+
+/* Q6_K: the 16 rows' unsigned q (0..63) of weights 2j, 2j + 1 of block `sub`, as
+ * q6_k_tiled_values picks them for 8 rows. */
+SIMD_INLINE __m512i q6_k_group_values(const uint8_t *t, int sub, int j) {
+    const int hh = sub / 4, s = sub % 4;
+    const __m256i ql = group_words(t, 32 * hh + 16 * (s % 2) + j);
+    const __m256i qh = group_words(t, 64 + 16 * hh + j);
+    const __m256i low = _mm256_and_si256(s < 2 ? ql : _mm256_srli_epi16(ql, 4), _mm256_set1_epi8(15));
+    const __m256i high = s == 0 ? _mm256_slli_epi16(qh, 4)
+                         : s == 1 ? _mm256_slli_epi16(qh, 2)
+                         : s == 2 ? qh : _mm256_srli_epi16(qh, 2);
+    return _mm512_cvtepu8_epi16(_mm256_or_si256(low, _mm256_and_si256(high, _mm256_set1_epi8(0x30))));
+}
+
+/* Q6_K: the 16 rows' d sc of 16-weight sub-block u (the int8 scale, sign-extended). */
+SIMD_INLINE __m512 q6_k_group_scale(const uint8_t *t, int u, __m512 d) {
+    const __m256i words = group_words(t, 96 + u / 2);
+    const __m256i sc = u % 2 ? _mm256_srai_epi16(words, 8)
+                             : _mm256_srai_epi16(_mm256_slli_epi16(words, 8), 8);
+    return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(sc)));
+}
+
+/* The k-quants, a whole tiled group per vector: tiled_k_micro_kernel's integers and fp32
+ * operations, per lane in the same order. */
+SIMD_INLINE void group_k_micro_kernel(const int MR, const int fmt, const int_ctx *c, int64_t m0,
+                                      const uint8_t *group, float out[MR_MAX][TILE_ROWS]) {
+    const int bb = block_bytes(fmt);
+    __m512 acc[MR_MAX];
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t sb = 0; sb < c->nb / SUBS; sb++) {
+        const uint8_t *t = group + sb * TILE_ROWS * bb;
+        const uint8_t *next = t + TILE_ROWS * c->row_bytes; /* a quarter per step, as above */
+        const int quarter = TILE_ROWS * bb / 4;
+        const int16_t *x[MR_MAX];
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; i++) x[i] = (const int16_t *)c->q + (m0 + i) * c->kp + sb * QK_K;
+        const int64_t blk0 = sb * SUBS;
+        if (fmt == FMT_Q4_K) {
+            __m512 D[SUBS], Mn[SUBS];
+            q4_k_group_scales(t, D, Mn);
+#pragma GCC unroll 1
+            for (int cc = 0; cc < 4; cc++) {
+                for (int line = 0; line < quarter; line += 64) __builtin_prefetch(next + cc * quarter + line);
+                __m512i isum[MR_MAX][2]; /* [row][low / high nibbles: sub-blocks 2cc, 2cc + 1] */
+#pragma GCC unroll 8
+                for (int i = 0; i < MR; i++) isum[i][0] = isum[i][1] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+                for (int j = 0; j < 16; j++) {
+                    const __m512i bytes = _mm512_cvtepu8_epi16(group_words(t, 8 + 16 * cc + j));
+                    const __m512i low = _mm512_and_si512(bytes, _mm512_set1_epi16(0x0f));
+                    const __m512i high = _mm512_srli_epi16(bytes, 4);
+#pragma GCC unroll 8
+                    for (int i = 0; i < MR; i++) {
+                        isum[i][0] = _mm512_dpwssd_epi32(isum[i][0], low, pair_at16(x[i] + 64 * cc + 2 * j));
+                        isum[i][1] = _mm512_dpwssd_epi32(isum[i][1], high, pair_at16(x[i] + 64 * cc + 32 + 2 * j));
+                    }
+                }
+#pragma GCC unroll 2
+                for (int e = 0; e < 2; e++) {
+                    const int sub = 2 * cc + e;
+#pragma GCC unroll 8
+                    for (int i = 0; i < MR; i++) {
+                        const int64_t at = (m0 + i) * c->nb + blk0 + sub;
+                        __m512 v = _mm512_mul_ps(_mm512_mul_ps(D[sub], _mm512_set1_ps(c->d[at])),
+                                                 _mm512_cvtepi32_ps(isum[i][e]));
+                        v = _mm512_add_ps(v, _mm512_mul_ps(Mn[sub], _mm512_set1_ps(c->s[at])));
+                        acc[i] = _mm512_add_ps(acc[i], v);
+                    }
+                }
+            }
+        } else {
+            const __m512 d = group_f16(t, 104);
+#pragma GCC unroll 1
+            for (int sub = 0; sub < SUBS; sub++) {
+                if (sub % 2 == 0)
+                    for (int line = 0; line < quarter; line += 64)
+                        __builtin_prefetch(next + sub / 2 * quarter + line);
+                const int64_t blk = blk0 + sub;
+                __m512i isum[MR_MAX][2]; /* [row][the block's halves: one scale each] */
+#pragma GCC unroll 8
+                for (int i = 0; i < MR; i++)
+                    for (int part = 0; part < 2; part++)
+                        isum[i][part] = _mm512_set1_epi32(-32 * c->sum16[2 * ((m0 + i) * c->nb + blk) + part]);
+#pragma GCC unroll 8
+                for (int j = 0; j < 8; j++) { /* the halves' words j and 8 + j side by side */
+                    const __m512i qa = q6_k_group_values(t, sub, j), qb = q6_k_group_values(t, sub, 8 + j);
+#pragma GCC unroll 8
+                    for (int i = 0; i < MR; i++) {
+                        isum[i][0] = _mm512_dpwssd_epi32(isum[i][0], qa, pair_at16(x[i] + QK * sub + 2 * j));
+                        isum[i][1] = _mm512_dpwssd_epi32(isum[i][1], qb, pair_at16(x[i] + QK * sub + 16 + 2 * j));
+                    }
+                }
+                const __m512 da = q6_k_group_scale(t, 2 * sub, d), db = q6_k_group_scale(t, 2 * sub + 1, d);
+#pragma GCC unroll 8
+                for (int i = 0; i < MR; i++) { /* v = (da isa + db isb) dx, then acc + v */
+                    const __m512 dx = _mm512_set1_ps(c->d[(m0 + i) * c->nb + blk]);
+                    const __m512 first = _mm512_mul_ps(da, _mm512_cvtepi32_ps(isum[i][0]));
+                    const __m512 second = _mm512_mul_ps(db, _mm512_cvtepi32_ps(isum[i][1]));
+                    acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(_mm512_add_ps(first, second), dx));
+                }
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; i++) _mm512_storeu_ps(out[i], acc[i]);
+}
+
+#define GROUP_DISPATCH_MR(KERNEL, FMT)                                      \
+    switch (mr) {                                                           \
+        case 1: KERNEL(1, FMT, c, m0, group, out); break;                   \
+        case 2: KERNEL(2, FMT, c, m0, group, out); break;                   \
+        case 3: KERNEL(3, FMT, c, m0, group, out); break;                   \
+        case 4: KERNEL(4, FMT, c, m0, group, out); break;                   \
+        case 5: KERNEL(5, FMT, c, m0, group, out); break;                   \
+        default: KERNEL(6, FMT, c, m0, group, out); break;                  \
+    }
+#endif
+
 /* Up to 3 rows: both halves of the group at once; more: one half at a time. */
 #define TILED_DISPATCH_MR(FMT)                                                          \
     switch (mr) {                                                                       \
@@ -1196,6 +1426,15 @@ static void tiled_tile(const void *ctx, int64_t m0, int mr, int64_t n0, int nr,
     (void)nr; /* always TILE_ROWS: the order needs N % TILE_ROWS == 0 */
     const int_ctx *c = ctx;
     const uint8_t *group = c->w + n0 * c->row_bytes;
+#if defined(SPECSERVE_ISA_AVX512)
+    switch (c->fmt) {
+        case FMT_Q8_0: GROUP_DISPATCH_MR(group_micro_kernel, FMT_Q8_0) break;
+        case FMT_Q4_0: GROUP_DISPATCH_MR(group_micro_kernel, FMT_Q4_0) break;
+        case FMT_Q4_1: GROUP_DISPATCH_MR(group_micro_kernel, FMT_Q4_1) break;
+        case FMT_Q4_K: GROUP_DISPATCH_MR(group_k_micro_kernel, FMT_Q4_K) break;
+        default: GROUP_DISPATCH_MR(group_k_micro_kernel, FMT_Q6_K) break;
+    }
+#else
     switch (c->fmt) {
         case FMT_Q8_0: TILED_DISPATCH_MR(FMT_Q8_0) break;
         case FMT_Q4_0: TILED_DISPATCH_MR(FMT_Q4_0) break;
@@ -1203,6 +1442,7 @@ static void tiled_tile(const void *ctx, int64_t m0, int mr, int64_t n0, int nr,
         case FMT_Q4_K: TILED_K_DISPATCH_MR(FMT_Q4_K) break;
         default: TILED_K_DISPATCH_MR(FMT_Q6_K) break;
     }
+#endif
 }
 
 static void int_tile(const void *ctx, int64_t m0, int mr, int64_t n0, int nr,

@@ -11,6 +11,7 @@ import pytest
 from specserve.kernels import cpu_build
 
 VF = {"amx": 16, "avx512": 16, "avx2": 8, "portable": 4}  # cpu_simd.h's fp32 lanes
+MADD16_LANES = {"amx": 16, "avx512": 16, "avx2": 8, "portable": 8}  # the int16 probe's int32 lanes
 ACCS = 8
 
 
@@ -22,13 +23,13 @@ def lib(request):
     return request.param, library
 
 
-def madd16_chains(iters: int, dpwssd: bool) -> int:
+def madd16_chains(iters: int, dpwssd: bool, lanes: int) -> int:
     """The probe's int16 chains in numpy: x -> madd(x, 3) - 2 (AVX-512: x + madd(x, 3)),
     int32 lanes read as int16 pairs, wrapping as the instructions do; their folded sum."""
-    acc = np.repeat(np.arange(ACCS, dtype=np.int32)[:, None], 8, axis=1)  # [ACCS, 8 lanes]
+    acc = np.repeat(np.arange(ACCS, dtype=np.int32)[:, None], lanes, axis=1)  # [ACCS, lanes]
     with np.errstate(over="ignore"):
         for _ in range(iters):
-            pairs = acc.view(np.int16).astype(np.int32).reshape(ACCS, 8, 2)
+            pairs = acc.view(np.int16).astype(np.int32).reshape(ACCS, lanes, 2)
             madd = (pairs * 3).sum(-1).astype(np.int32)
             acc = acc + madd if dpwssd else madd - np.int32(2)
     return int(acc.astype(np.int64).sum().astype(np.int32))
@@ -41,7 +42,8 @@ def test_probes_report_the_operations_they_do(lib, threads):
     fma_sink, madd_sink = ctypes.c_float(0), ctypes.c_int32(0)
     fmas = library.ceiling_fma(iters, ctypes.byref(fma_sink), threads)
     madds = library.ceiling_madd16(iters, ctypes.byref(madd_sink), threads)
-    assert fmas == iters * ACCS * VF[isa] * threads and madds == iters * ACCS * 16 * threads
+    assert fmas == iters * ACCS * VF[isa] * threads
+    assert madds == iters * ACCS * 2 * MADD16_LANES[isa] * threads
     assert np.isfinite(fma_sink.value) and fma_sink.value != 0
-    want = madd16_chains(iters, dpwssd=isa in ("avx512", "amx"))
+    want = madd16_chains(iters, dpwssd=isa in ("avx512", "amx"), lanes=MADD16_LANES[isa])
     assert madd_sink.value == np.int32(np.int64(want) * threads)  # every thread ran the chains
