@@ -41,6 +41,8 @@ SUBCOMMANDS = {
     "quant": Subcommand("quant", "int8/int4 weights: speed beside bf16 and llama.cpp, quality"),
     "agreement": Subcommand("agreement", "greedy continuations beside llama.cpp's on the same "
                                          "GGUF, per activation format"),
+    "gguf-types": Subcommand("gguf_types", "GGUF block types converted at load: NLL against "
+                                           "the file's own blocks, per llama.cpp file type"),
     "default-model": Subcommand("default_model", "the default model and its draft per mode, "
                                                  "beside llama.cpp on its GGUF"),
     "kernels": Subcommand("products", "the few-row bf16 products alone: paths, row counts, "
