@@ -78,6 +78,8 @@ from specserve.model.runner import ModelRunner, Segment
 PEER = Path(__file__).resolve().parents[2] / "shared" / "tools" / "llamacpp-peer"
 EVAL_TIME = re.compile(r"(?<!prompt )\beval time =\s*([\d.]+) ms /\s*(\d+) runs")
 SPEC_DECODED = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds")
+PROMPT_EVAL_TIME = re.compile(r"prompt eval time =\s*([\d.]+) ms")
+SPEC_ENCODED = re.compile(r"encoded\s+\d+ tokens in\s+([\d.]+) seconds")
 LLAMA_BF16, LLAMA_DRAFT = "llama.cpp bf16", "llama.cpp bf16 + draft"
 STACK = {"1": "stack", "0": "layers"}  # --cpu-stack value -> its rows' name suffix
 
@@ -137,9 +139,24 @@ def llamacpp_prompt_text(tokenizer, prompt: list[int]) -> str:
     return tokenizer.decode(prompt[1:] if bos is not None and prompt[:1] == [bos] else prompt)
 
 
+def llamacpp_timing(log_text: str, speculative: bool) -> tuple[int, float, float]:
+    """(tokens decoded, prompt seconds, decode seconds) from llama-completion's timing lines
+    (`prompt eval time`, `eval time`) or llama-speculative's (`encoded`, `decoded`)."""
+    if speculative:
+        found, prompt = SPEC_DECODED.search(log_text), SPEC_ENCODED.search(log_text)
+        if found is None or prompt is None:
+            raise RuntimeError(f"no timing from llama-speculative:\n{log_text[-2000:]}")
+        return int(found[1]), float(prompt[1]), float(found[2])
+    found, prompt = EVAL_TIME.search(log_text), PROMPT_EVAL_TIME.search(log_text)
+    if found is None or prompt is None:
+        raise RuntimeError(f"no eval timing from llama-completion:\n{log_text[-2000:]}")
+    return int(found[2]), float(prompt[1]) / 1e3, float(found[1]) / 1e3
+
+
 def llamacpp_runner(bin_dir: Path, target: Path, draft: Path | None, tokenizer,
                     max_tokens: int, threads: int):
-    """One prompt through llama-completion (no draft) or llama-speculative; decode timing."""
+    """One prompt through llama-completion (no draft) or llama-speculative, timed by its own
+    prompt and decode timing lines."""
 
     def run(prompt: list[int]) -> Sample:
         with tempfile.NamedTemporaryFile("w", suffix=".txt") as f:
@@ -155,18 +172,11 @@ def llamacpp_runner(bin_dir: Path, target: Path, draft: Path | None, tokenizer,
                            str(draft), *common, "-td", str(threads), "-tbd", str(threads)]
             done = subprocess.run(command, capture_output=True, text=True, check=True,
                                   stdin=subprocess.DEVNULL)
-        if draft is None:
-            found = EVAL_TIME.search(done.stderr)
-            if found is None:
-                raise RuntimeError(f"no eval timing from llama-completion:\n{done.stderr[-2000:]}")
-            seconds, tokens = float(found[1]) / 1e3, int(found[2])
-        else:
-            found = SPEC_DECODED.search(done.stderr + done.stdout)
-            if found is None:
-                raise RuntimeError(f"no timing from llama-speculative:\n{done.stderr[-2000:]}")
-            tokens, seconds = int(found[1]), float(found[2])
-        # Row's decode rate is (len(token_ids) - 1) / (e2e - ttft): tokens + 1 ids.
-        return Sample(list(range(tokens + 1)), seconds, 0.0, tokens + 1)
+        tokens, prompt_s, seconds = llamacpp_timing(done.stderr + done.stdout, draft is not None)
+        # The prompt's forward stands for the time to the first token, so the row's tok/s counts
+        # the prompt as specserve's rows do, and its decode rate, (len(token_ids) - 1) /
+        # (e2e - ttft), is llama.cpp's eval rate: tokens + 1 ids.
+        return Sample(list(range(tokens + 1)), prompt_s + seconds, prompt_s, tokens + 1)
 
     return run
 

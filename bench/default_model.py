@@ -9,8 +9,9 @@ The prompts are the draft recipe's held-out chat questions (`draft_models/chat_p
 which the draft never saw. "default" is the engine's own choice for the loaded pair. Rows,
 checks (identical outputs in every mode) and columns are those of `bench.compare`. Where the
 llama.cpp peer is built (`../shared/tools/llamacpp-peer build`), a `llama.cpp` row runs the same
-GGUF file through `llama-completion` (greedy, the same threads; decode timing from its own
-eval line), interleaved with specserve's rows; `--no-llamacpp` leaves it out.
+GGUF file through `llama-completion` (greedy, the same threads; timed by its own prompt and
+eval lines, so its tok/s counts the prompt as specserve's do and its ms/tok is its decode alone),
+interleaved with specserve's rows; `--no-llamacpp` leaves it out.
 
 `--target FILE.gguf [--draft DRAFT]` measures another model the same way instead (e.g. a
 Q4_K_M file, such as the Gemma 3 270M one): llama.cpp runs the same target file, with

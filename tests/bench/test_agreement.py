@@ -1,12 +1,12 @@
-"""bench.agreement's counting: tokens shared from the start of two continuations, and the
-prompt text llama.cpp reads."""
+"""bench.agreement's counting: tokens shared from the start of two continuations; the
+prompt text llama.cpp reads and its timing lines."""
 
 from __future__ import annotations
 
 import pytest
 
 from bench.agreement import divergence_gap, same_text, shared_tokens
-from bench.cpu_paths import llamacpp_prompt_text
+from bench.cpu_paths import llamacpp_prompt_text, llamacpp_timing
 
 
 class Letters:
@@ -51,3 +51,28 @@ def test_divergence_gap_finds_llamacpps_token_among_the_top():
     assert divergence_gap(tok, [0, 1], logprobs, "ac", 1) == pytest.approx(0.1)
     assert divergence_gap(tok, [0, 1], logprobs, "ad", 1) == pytest.approx(0.5)
     assert divergence_gap(tok, [0, 1], logprobs, "ax", 1) is None
+
+
+COMPLETION_LOG = """\
+I common_perf_print:        load time =     320.57 ms
+I common_perf_print: prompt eval time =     320.39 ms /     7 tokens (   45.77 ms per token, ...)
+I common_perf_print:        eval time =    1679.42 ms /     7 runs   (  239.92 ms per token, ...)
+I common_perf_print:       total time =    2000.68 ms /    14 tokens
+"""
+SPECULATIVE_LOG = """\
+0.00.573.930 I encoded    7 tokens in    0.001 seconds, speed: 8353.223 t/s
+0.00.573.944 I decoded    9 tokens in    0.100 seconds, speed:   90.127 t/s
+I common_perf_print: prompt eval time =       1.13 ms /    15 tokens (    0.08 ms per token, ...)
+I common_perf_print:        eval time =       0.00 ms /     1 runs   (    0.00 ms per token, ...)
+"""
+
+
+def test_llamacpp_timing_reads_the_prompt_and_the_decode_apart():
+    """llama-completion's own lines (the prompt's forward is not the `eval time` one), and
+    llama-speculative's encode / decode lines, whose perf lines count only its draft context."""
+    assert llamacpp_timing(COMPLETION_LOG, speculative=False) == (7, 0.32039, 1.67942)
+    assert llamacpp_timing(SPECULATIVE_LOG, speculative=True) == (9, 0.001, 0.1)
+    with pytest.raises(RuntimeError, match="no eval timing"):
+        llamacpp_timing(COMPLETION_LOG.replace("prompt eval", "prompt"), speculative=False)
+    with pytest.raises(RuntimeError, match="llama-speculative"):
+        llamacpp_timing(COMPLETION_LOG, speculative=True)
