@@ -70,7 +70,7 @@ I common_perf_print:        eval time =       0.00 ms /     1 runs   (    0.00 m
 def test_llamacpp_timing_reads_the_prompt_and_the_decode_apart():
     """llama-completion's own lines (the prompt's forward is not the `eval time` one), and
     llama-speculative's encode / decode lines, whose perf lines count only its draft context."""
-    assert llamacpp_timing(COMPLETION_LOG, speculative=False) == (7, 0.32039, 1.67942)
+    assert llamacpp_timing(COMPLETION_LOG, speculative=False) == (7, 320.39 / 1e3, 1679.42 / 1e3)
     assert llamacpp_timing(SPECULATIVE_LOG, speculative=True) == (9, 0.001, 0.1)
     with pytest.raises(RuntimeError, match="no eval timing"):
         llamacpp_timing(COMPLETION_LOG.replace("prompt eval", "prompt"), speculative=False)
