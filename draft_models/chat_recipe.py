@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import os
 import platform
@@ -72,17 +73,30 @@ def log(msg: str, start: float) -> None:
 
 
 def train(draft, batches, steps: int, lr: float, warmup: int, unroll: int, cls_weight: float,
-          log_path: Path, start: float) -> dict:
-    """AdamW with warmup + cosine (train.py's schedule) on the distillation loss."""
+          log_path: Path, start: float, checkpoint: Path | None = None,
+          save_every: int = 50) -> dict:
+    """AdamW with warmup + cosine (train.py's schedule) on the distillation loss.
+
+    With `checkpoint`, the draft's weights, the optimizer and the counters are saved there every
+    `save_every` steps (written beside it, then renamed: a killed job leaves the last whole one),
+    and a run finding one goes on from its step: `batches` is replayed to that step, so the
+    resumed run sees the batches an uninterrupted one would have."""
     from .eagle_draft import eagle_loss
     from .train import LossLog, cosine_lr
 
     opt = torch.optim.AdamW(draft.trainable(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
-    t0 = time.time()
-    ema = None
-    tokens = 0
-    with contextlib.closing(LossLog(log_path)) as loss_log:
-        for step in range(steps):
+    first, tokens, ema, elapsed = 0, 0, None, 0.0
+    if checkpoint is not None and checkpoint.is_file():
+        saved = torch.load(checkpoint)
+        draft.load_state_dict(saved["draft"], strict=False)  # the frozen embeddings are not kept
+        opt.load_state_dict(saved["optimizer"])
+        first, tokens, ema, elapsed = (saved[k] for k in ("step", "tokens", "ema", "elapsed_s"))
+        for _ in range(first):
+            next(batches)
+        log(f"resumed from {checkpoint.name} at step {first}/{steps}", start)
+    t0 = time.time() - elapsed
+    with contextlib.closing(LossLog(log_path, resume_at=first)) as loss_log:
+        for step in range(first, steps):
             for group in opt.param_groups:
                 group["lr"] = cosine_lr(step, steps, lr, warmup)
             batch = next(batches)
@@ -98,6 +112,13 @@ def train(draft, batches, steps: int, lr: float, warmup: int, unroll: int, cls_w
             if step % 20 == 0 or step == steps - 1:
                 log(f"step {step}/{steps} loss {loss.item():.3f} (ema {ema:.3f}), top-1 "
                     f"agreement per pass {[round(a, 3) for a in agreement]}", start)
+            if checkpoint is not None and ((step + 1) % save_every == 0 or step == steps - 1):
+                kept = {k: v for k, v in draft.state_dict().items()
+                        if not k.startswith("embed_tokens.")}
+                tmp = checkpoint.with_suffix(".tmp")
+                torch.save({"draft": kept, "optimizer": opt.state_dict(), "step": step + 1,
+                            "tokens": tokens, "ema": ema, "elapsed_s": time.time() - t0}, tmp)
+                tmp.replace(checkpoint)
     draft.eval()
     return {"steps": steps, "reply_tokens": tokens, "final_loss_ema": ema,
             "train_seconds": time.time() - t0}
@@ -209,8 +230,15 @@ def main(argv: Sequence[str] | None = None) -> dict:
         f"training {[round(a, 3) for a in agreement_before]}", start)
     draft.train()
     batches = state_batches(train_records, train_states, args.batch_size, args.seed)
+    # One checkpoint per run's settings and data: another run (other settings, a grown corpus)
+    # starts afresh instead of going on from this one.
+    run_key = {k: v for k, v in vars(args).items()
+               if k not in ("out", "work", "eval_prompts", "eval_tokens", "threads")}
+    run_key["records"] = len(records)
+    digest = hashlib.sha256(json.dumps(run_key, sort_keys=True).encode()).hexdigest()[:12]
     summary = train(draft, batches, args.steps, args.lr, args.warmup, args.unroll,
-                    args.cls_weight, out / "draft_loss.csv", start)
+                    args.cls_weight, out / "draft_loss.csv", start,
+                    checkpoint=work / f"{data_file.stem}-train-{digest}.pt")
     summary["top1_agreement_before"] = agreement_before
     summary["top1_agreement_after"] = agreement(draft, held, held_states)
     summary["vocabulary_coverage_held_out"] = vocabulary_coverage(token_ids, held)

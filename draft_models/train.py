@@ -92,14 +92,23 @@ def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> to
 class LossLog:
     """CSV loss log (one row per step, flushed so a running job can be watched); no-op on None."""
 
-    def __init__(self, path: str | Path | None) -> None:
+    def __init__(self, path: str | Path | None, resume_at: int = 0) -> None:
+        """resume_at > 0: a resumed run goes on with an existing log from that step (the rows of
+        later steps, which the run does again, are dropped); else a new log."""
         self._file = None
         self._writer = None
         if path is not None:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            self._file = Path(path).open("w", newline="")  # noqa: SIM115 - closed by close()
+            path = Path(path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            kept = []
+            if resume_at > 0 and path.is_file():
+                with path.open(newline="") as f:
+                    kept = [row for row in csv.reader(f) if row][1:]
+                kept = [row for row in kept if int(row[0]) < resume_at]
+            self._file = path.open("w", newline="")  # noqa: SIM115 - closed by close()
             self._writer = csv.writer(self._file)
-            self._writer.writerow(["step", "lr", "loss", "grad_norm", "tokens", "elapsed_s"])
+            self._writer.writerows([["step", "lr", "loss", "grad_norm", "tokens", "elapsed_s"],
+                                    *kept])
 
     def write(self, step: int, lr: float, loss: float, grad_norm: float, tokens: int,
               elapsed_s: float) -> None:
