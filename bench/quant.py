@@ -16,7 +16,8 @@ Within each quantization, the default mode's tokens must equal speculation off's
 before timing); across quantizations they differ, which the quality section measures.
 
 Kernels (`--skip-kernels` to leave out): the CPU's arithmetic ceilings, then two tables. Ceilings
-(specserve/kernels/cpu_ceiling.c): fp32 FMAs and int16 multiply-adds per second on every thread.
+(specserve/kernels/cpu_ceiling.c): fp32 FMAs, int16 multiply-adds and bf16 dot-step multiply-adds
+per second on every thread.
 Row scaling: one decoder layer's projections of the widened shape (qkv 1280x1024, o 1024x1024,
 gate/up 8192x1024, down 1024x4096), 24 copies so the weights come from memory, timed for
 `--kernel-rows` activation rows (1, 5, 8, 16, 32): Q8_0, Q4_0, Q4_1, Q4_K and Q6_K (the
@@ -178,14 +179,16 @@ def format_kernels(result: dict[str, dict[int, float]], nbytes: dict[str, int],
                    ceilings: dict[str, float], layers: int = 24) -> str:
     """Per kind and row count: ms, the cost over one row, weight GB/s, GFLOP/s and the
     multiply-adds per second as a share of the ceiling of the instruction the kernel is built
-    on (integer activations: int16 multiply-adds; bf16 and fp32 activations: fp32 FMAs)."""
+    on (integer activations: int16 multiply-adds; bf16: the bf16 dot step; fp32 activations:
+    fp32 FMAs)."""
     rows = list(next(iter(result.values())))
     macs = layers * sum(n * k for n, k in LAYER_SHAPES)  # per activation row
     lines = ["| weights | " + " | ".join(f"M={m}: ms, / M=1, GB/s, GFLOP/s, of ceiling"
                                          for m in rows) + " |",
              "|---" * (1 + len(rows)) + "|"]
     for kind, by_m in result.items():
-        ceiling = ceilings.get("madd16" if " q" in kind else "fma")
+        instruction = "madd16" if " q" in kind else "dot" if kind == "bf16" else "fma"
+        ceiling = ceilings.get(instruction)
         cells = []
         for m in rows:
             seconds = by_m[m] / 1e3

@@ -55,8 +55,9 @@ def measure_ceilings(isa: str | None = None, threads: int | None = None, repeats
                      ) -> dict[str, float]:
     """This CPU's arithmetic ceilings on the isa path (default: the selected one), best of
     `repeats`, on `threads` threads (default: torch's): "fma", fp32 multiply-adds per second at
-    the path's vector width, and "madd16", int16 multiply-adds per second (the Q16 kernels'
-    instruction); specserve/kernels/cpu_ceiling.c. Empty on the torch path."""
+    the path's vector width, "madd16", int16 multiply-adds per second (the Q16 kernels'
+    instruction), and "dot", bf16 multiply-adds per second through the bf16 kernels' dot step
+    (VDPBF16PS on avx512); specserve/kernels/cpu_ceiling.c. Empty on the torch path."""
     import ctypes
 
     from specserve.kernels import cpu_build
@@ -66,7 +67,8 @@ def measure_ceilings(isa: str | None = None, threads: int | None = None, repeats
         return {}
     threads = threads or torch.get_num_threads()
     out = {}
-    for name, sink in (("fma", ctypes.c_float(0)), ("madd16", ctypes.c_int32(0))):
+    for name, sink in (("fma", ctypes.c_float(0)), ("madd16", ctypes.c_int32(0)),
+                       ("dot", ctypes.c_float(0))):
         probe = getattr(lib, f"ceiling_{name}")
         probe(100_000, ctypes.byref(sink), threads)  # wakes the threads and the clocks
         best = 0.0

@@ -90,6 +90,7 @@ KERNELS: dict[str, dict[str, Signature]] = {
     "cpu_ceiling.c": {
         "ceiling_fma": ([_i64, _p, _i32], _i64),
         "ceiling_madd16": ([_i64, _p, _i32], _i64),
+        "ceiling_dot": ([_i64, _p, _i32], _i64),
     },
 }
 

@@ -8,6 +8,9 @@
  *   ceiling_madd16  int16 pair multiply-adds into int32 lanes (the Q16 quantized kernels'
  *                   VPMADDWD + VPADDD, 256-bit; 512-bit VPDPWSSD on the AVX-512 build, as its
  *                   tiled kernels use)
+ *   ceiling_dot     bf16 multiply-adds through cpu_simd.h's dot_step, the bf16 kernels' inner
+ *                   operation (VDPBF16PS on the AVX-512 build; two fp32 FMAs over the widened
+ *                   even and odd halves elsewhere)
  * Enough chains hide every latency, so the time is the issue throughput alone. Each operation
  * takes its chain's previous result (a loop-invariant product would be hoisted out of the loop),
  * and the results are folded into a value the caller receives, so no loop can be dropped. */
@@ -98,6 +101,34 @@ int64_t ceiling_madd16(int64_t iters, int32_t *sink, int num_threads) {
 #pragma omp critical
         *sink = (int32_t)((uint32_t)*sink + folded);
         total += iters * ACCS * 2 * MADD16_LANES;
+    }
+    return total;
+}
+
+/* Chains for the dot probe: VDPBF16PS's latency is longer than an FMA's on some cores. */
+#define DOT_ACCS 12
+
+/* Returns the bf16 multiply-adds done (iters * DOT_ACCS * DOT_K per thread, summed). */
+int64_t ceiling_dot(int64_t iters, float *sink, int num_threads) {
+    int64_t total = 0;
+#pragma omp parallel num_threads(num_threads) reduction(+ : total)
+    {
+        uint16_t ones[DOT_K], small[DOT_K];
+        for (int k = 0; k < DOT_K; k++) {
+            ones[k] = 0x3f80;  /* 1.0 */
+            small[k] = 0x3a80; /* 2^-10 */
+        }
+        const dot_vec x = dot_load(ones), w = dot_load(small);
+        dot_acc acc[DOT_ACCS];
+        for (int j = 0; j < DOT_ACCS; j++) acc[j] = dot_zero();
+        for (int64_t i = 0; i < iters; i++)
+#pragma GCC unroll 12
+            for (int j = 0; j < DOT_ACCS; j++) acc[j] = dot_step(acc[j], x, w);
+        dot_acc sum = acc[0];
+        for (int j = 1; j < DOT_ACCS; j++) sum = dot_add(sum, acc[j]);
+#pragma omp critical
+        *sink += dot_sum(sum);
+        total += iters * DOT_ACCS * DOT_K;
     }
     return total;
 }

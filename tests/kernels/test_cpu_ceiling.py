@@ -47,3 +47,19 @@ def test_probes_report_the_operations_they_do(lib, threads):
     assert np.isfinite(fma_sink.value) and fma_sink.value != 0
     want = madd16_chains(iters, dpwssd=isa in ("avx512", "amx"), lanes=MADD16_LANES[isa])
     assert madd_sink.value == np.int32(np.int64(want) * threads)  # every thread ran the chains
+
+
+DOT_K = {"amx": 32, "avx512": 32, "avx2": 16, "portable": 8}  # cpu_simd.h's dot step
+DOT_ACCS = 12
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_dot_probe_reports_the_bf16_products_it_does(lib, threads):
+    """Each of its chains adds 1.0 * 2^-10 per bf16 product: exact in fp32 up to 2^14 per lane,
+    so the folded sum is known."""
+    isa, library = lib
+    iters = 1000
+    sink = ctypes.c_float(0)
+    dots = library.ceiling_dot(iters, ctypes.byref(sink), threads)
+    assert dots == iters * DOT_ACCS * DOT_K[isa] * threads
+    assert sink.value == dots * 2.0 ** -10
