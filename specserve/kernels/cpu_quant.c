@@ -10,7 +10,7 @@
  *   ... (quant_reference.py: QuantizedWeight.with_row_group). A thread then reads its weights
  *   as one sequential stream instead of one short stream per row of a tile: 2-core Zen 3, the
  *   widened model's 24 layers of Q8_0 from memory at one activation row, about 23 -> 19 ms. Or
- *   TILE_ROWS, for integer activations only: groups of eight rows, block by block, each block
+ *   TILE_ROWS, for integer activations only: groups of sixteen rows, block by block, each block
  *   of the group interleaved word by word (see "the tiled row order" below).
  *   y [M, N] bf16 or fp32.
  *
@@ -831,14 +831,16 @@ SIMD_INLINE void int_micro_kernel(const int MR, const int NR, const int fmt, con
     else if (c->fmt == FMT_Q6_K) INT_DISPATCH_MR(NR, FMT_Q6_K, ACT_Q16)          \
     else if (c->act == ACT_Q16) INT_DISPATCH_FMT(NR, ACT_Q16) else INT_DISPATCH_FMT(NR, ACT_Q8)
 
-/* ---- the tiled row order: eight weight rows' blocks interleaved by 16-bit words ------------- */
+/* ---- the tiled row order: sixteen weight rows' blocks interleaved by 16-bit words ----------- */
 
-/* group == TILE_ROWS: each group of 8 rows is stored block by block, and each block of the
- * group as the 8 rows' first 16-bit words, then their second words, ... (word t of row r's
- * block at word t * 8 + r; quant_reference.QuantizedWeight.with_row_group). Blocks are 34, 18
+/* group == TILE_ROWS (16): each group of 16 rows is stored block by block, and each block of
+ * the group as the 16 rows' first 16-bit words, then their second words, ... (word t of row r's
+ * block at word t * 16 + r; quant_reference.QuantizedWeight.with_row_group). Blocks are 34, 18
  * or 20 bytes, whole words, so every format interleaves alike and the bytes are the same.
  *
- * Why: one 16-byte load then holds weights k, k + 1 of all eight rows (Q8_0: word j is weights
+ * Why: one 16-byte load then holds weights k, k + 1 of eight rows, a half of the group (the
+ * 256-bit kernels below take a group as two halves; the AVX-512 ones further down load all 16
+ * rows' word at once) (Q8_0: word j is weights
  * 2j, 2j + 1; 4-bit: word j's low nibbles are weights 2j, 2j + 1 and its high nibbles 2j + 16,
  * 2j + 17), so widened to int16 and multiplied by one activation pair broadcast to every lane
  * (VPMADDWD), each int32 lane sums one row's products. A block's eight dot products accumulate
