@@ -124,10 +124,51 @@ def train(draft, batches, steps: int, lr: float, warmup: int, unroll: int, cls_w
             "train_seconds": time.time() - t0}
 
 
+MIN_DRAFTS_AT_DEPTH = 10  # fewer drafts reaching a depth say too little of its rate
+
+
+def acceptance_per_depth(num_drafts: int, accepted_per_pos: Sequence[int]) -> list[float]:
+    """Conditional acceptance at depth 1, 2, ... of a chain: of the drafts whose tokens up to
+    depth d - 1 were accepted, the share whose depth-d token was too (the adaptive
+    controller's a_d); depths reached by fewer than MIN_DRAFTS_AT_DEPTH drafts, and all after
+    them, are left out."""
+    rates, reached = [], num_drafts
+    for accepted in accepted_per_pos:
+        if reached < MIN_DRAFTS_AT_DEPTH:
+            break
+        rates.append(accepted / reached)
+        reached = accepted
+    return rates
+
+
+def write_acceptance_prior(draft: Path, chain_outputs, how: str) -> dict:
+    """`acceptance.json` beside the draft (specserve.speculation.adaptive.PRIOR_FILE): the
+    per-depth rates measured on `chain_outputs` (one chain mode's outputs), so the engine's
+    adaptive speculation starts from them."""
+    from specserve.speculation.adaptive import PRIOR_FILE
+
+    drafts = sum(o.metrics["num_drafts"] for o in chain_outputs)
+    depth = max((len(o.metrics["accepted_per_pos"]) for o in chain_outputs), default=0)
+    accepted = [sum(o.metrics["accepted_per_pos"][d] for o in chain_outputs
+                    if d < len(o.metrics["accepted_per_pos"])) for d in range(depth)]
+    rates = acceptance_per_depth(drafts, accepted)
+    if not rates:
+        raise ValueError(f"too few drafts ({drafts}) to measure the draft's acceptance")
+    prior = {"acceptance_per_depth": [round(a, 3) for a in rates],
+             "measured": f"{how}; {drafts} drafts, accepted at depth 1..{depth}: "
+                         f"{', '.join(map(str, accepted))}; conditional rate at depth d = "
+                         f"accepted at d / accepted at d - 1 (depths reached by fewer than "
+                         f"{MIN_DRAFTS_AT_DEPTH} drafts left out)"}
+    (draft / PRIOR_FILE).write_text(json.dumps(prior, indent=2) + "\n")
+    return prior
+
+
 def evaluate(target: Path, draft: Path, questions: Sequence[str], max_tokens: int) -> dict:
     """Acceptance length of each speculation mode in the specserve engine (its default dtype,
     as served), greedy, all questions in one batch (acceptance does not depend on batching)."""
     from specserve import LLM, SamplingParams
+
+    from .corpus import cpu_description
 
     llm = LLM(target, draft)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
@@ -146,6 +187,11 @@ def evaluate(target: Path, draft: Path, questions: Sequence[str], max_tokens: in
             "output_tokens": sum(map(len, tokens)),
             "same_as_chain4": tokens == reference,
         }
+        if mode == "chain:4":
+            how = (f"chain:4 on {target.name} with this draft: {len(questions)} held-out "
+                   f"questions, greedy, up to {max_tokens} tokens, batch {len(questions)}; "
+                   f"{time.strftime('%Y-%m-%d')}, {cpu_description()}")
+            result["acceptance_prior"] = write_acceptance_prior(draft, outs, how)
     result["default_mode"] = str(llm.engine.default_mode)
     result["samples"] = [{"question": q, "reply": o.text, "finish_reason": o.finish_reason}
                          for q, o in zip(questions[:3], outs[:3])]

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from draft_models.chat_recipe import train
+from draft_models.chat_recipe import acceptance_per_depth, train, write_acceptance_prior
 from draft_models.eagle_draft import EagleDraft, state_batches, target_states
 
 
@@ -65,3 +65,31 @@ def test_a_killed_run_goes_on_to_the_uninterrupted_weights(setup, tmp_path):
     log = (tmp_path / "b" / "loss.csv").read_text().splitlines()
     assert log[0].startswith("step,") and [row.split(",")[0] for row in log[1:]] == \
         ["0", "1", "2", "3", "4", "5"]
+
+
+def test_acceptance_per_depth_is_conditional_and_leaves_out_thin_depths():
+    """The shipped draft's measurement: 497 drafts, accepted at depth 1..4: 131, 32, 6, 3;
+    depth 4 rests on 6 drafts, too few."""
+    rates = acceptance_per_depth(497, [131, 32, 6, 3])
+    assert [round(a, 3) for a in rates] == [0.264, 0.244, 0.188]
+    assert acceptance_per_depth(5, [3, 1]) == []
+    assert acceptance_per_depth(100, [0, 0]) == [0.0]  # nothing reached depth 2
+
+
+class Output:
+    def __init__(self, drafts, accepted):
+        self.metrics = {"num_drafts": drafts, "accepted_per_pos": accepted}
+
+
+def test_the_prior_is_written_where_the_engine_reads_it(tmp_path):
+    from specserve.speculation.adaptive import MAX_CHAIN, acceptance_prior
+
+    outs = [Output(300, [100, 40, 5]), Output(197, [31, 12, 3, 1])]
+    prior = write_acceptance_prior(tmp_path, outs, "a test")
+    assert prior["acceptance_per_depth"] == [round(131 / 497, 3), round(52 / 131, 3),
+                                             round(8 / 52, 3)]
+    assert "131, 52, 8, 1" in prior["measured"]
+    assert acceptance_prior(tmp_path) == pytest.approx(
+        prior["acceptance_per_depth"] + [prior["acceptance_per_depth"][-1]] * (MAX_CHAIN - 3))
+    with pytest.raises(ValueError, match="too few drafts"):
+        write_acceptance_prior(tmp_path, [Output(3, [1])], "a test")
