@@ -176,6 +176,9 @@ def evaluate(target: Path, draft: Path, questions: Sequence[str], max_tokens: in
     result: dict = {"modes": {}}
     reference = None
     for mode in ("chain:4", "chain:2", "chain:6", None):
+        # The default mode drafts from the server's recent replies too (suffix): emptied, so it
+        # does not find the replies the modes before it wrote to these same questions.
+        llm.engine.suffix.store.clear()
         outs = llm.chat(chats, params, speculation=mode)
         steps = sum(o.metrics["num_drafts"] for o in outs)
         accepted = sum(o.metrics["num_accepted_tokens"] for o in outs)
