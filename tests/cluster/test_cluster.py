@@ -169,7 +169,9 @@ def test_vllm_gauges_on_metrics(cluster):
             return during, done
 
     during, done = run(go(), timeout=60)
-    assert done["status"] == "cancelled"  # still running when scraped
+    # It ran to its end or to the cancel: on a fast CPU the tiny model's 400 tokens can be done
+    # between the scrape and the cancel. That it was running when scraped is the gauge's to say.
+    assert done["status"] in ("cancelled", "incomplete"), done
     assert gauge(during, "vllm:num_requests_running") == 1
     assert gauge(during, "vllm:num_requests_waiting") == 0
     # 2 replicas x 64 blocks; the request holds at least one.
