@@ -126,6 +126,10 @@ class TensorParallelWorkers:
         self._callbacks: list[Callable[[str], None]] = []
         self._closing = False
         self._lock = threading.Lock()
+        # The watcher thread and a failed collective (through set_diagnose) may describe a dead
+        # worker at once: two threads joining one process race in waitpid, and the loser reads
+        # its exit code as None.
+        self._reap_lock = threading.Lock()
         if processes:
             set_diagnose(self._dead_worker)
             threading.Thread(target=self._watch, name="specserve-tp-watch", daemon=True).start()
@@ -154,12 +158,13 @@ class TensorParallelWorkers:
         if not ready:
             return None
         dead = sorted(sentinels[s] for s in ready)
-        for rank in dead:
-            self.processes[rank - 1].join(1)
-        rank = min(dead, key=lambda r: (self.processes[r - 1].exitcode == 1, r))
-        proc = self.processes[rank - 1]
-        return (f"{self.spec.layout.describe(rank)} (pid {proc.pid}) exited with code "
-                f"{proc.exitcode}; the engine cannot continue (restart it)")
+        with self._reap_lock:
+            for rank in dead:
+                self.processes[rank - 1].join(1)
+            rank = min(dead, key=lambda r: (self.processes[r - 1].exitcode == 1, r))
+            proc = self.processes[rank - 1]
+            return (f"{self.spec.layout.describe(rank)} (pid {proc.pid}) exited with code "
+                    f"{proc.exitcode}; the engine cannot continue (restart it)")
 
     def _watch(self) -> None:
         multiprocessing.connection.wait([p.sentinel for p in self.processes])
