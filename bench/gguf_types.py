@@ -29,9 +29,8 @@ import torch.nn.functional as F
 
 from bench.cpu_paths import PEER
 from bench.options import STDOUT, environment, log, write_json
-from bench.quant import held_out_windows
+from bench.quant import held_out_windows, window_logits
 from specserve.model.loader import load_gguf_dequantized, load_model, load_tokenizer
-from specserve.model.runner import ModelRunner, Segment
 
 TYPES = ("Q5_0", "Q5_1", "Q5_K_M", "Q3_K_M", "Q2_K")
 AIM = 0.005  # the runtime's NLL within 0.5% of the reference's
@@ -55,16 +54,6 @@ def runtime_formats(model) -> dict[str, int]:
             parts = module.parts if isinstance(module, QuantizedParts) else [module]
             found.update(p.qweight.fmt.name for p in parts)
     return dict(found)
-
-
-def window_logits(model, windows: list[list[int]], block_size: int = 16):
-    """Each window's logits at every position but the last: [len - 1, vocab] float32."""
-    length = len(windows[0]) - 1
-    blocks = -(-length // block_size)
-    runner = ModelRunner(model, num_blocks=blocks, block_size=block_size)
-    for w in windows:
-        seg = Segment(w[:-1], range(length), 0, list(range(blocks)), range(length))
-        yield runner.forward([seg])[0].float()
 
 
 def compare(model, reference, windows: list[list[int]]) -> dict:

@@ -282,16 +282,21 @@ def held_out_windows(tokenizer, num_windows: int, length: int) -> list[list[int]
     return windows
 
 
-def mean_nll(model, windows: list[list[int]], block_size: int = 16) -> float:
+def window_logits(model, windows: list[list[int]], block_size: int = 16):
+    """Each window's logits at every position but the last, one window at a time:
+    [len - 1, vocab] float32."""
     length = len(windows[0]) - 1
     blocks = -(-length // block_size)
     runner = ModelRunner(model, num_blocks=blocks, block_size=block_size)
-    total = 0.0
     for w in windows:
         seg = Segment(w[:-1], range(length), 0, list(range(blocks)), range(length))
-        logits = runner.forward([seg])[0].float()  # [length, vocab]
-        total += F.cross_entropy(logits, torch.tensor(w[1:]), reduction="sum").item()
-    return total / (len(windows) * length)
+        yield runner.forward([seg])[0].float()
+
+
+def mean_nll(model, windows: list[list[int]]) -> float:
+    total = sum(F.cross_entropy(logits, torch.tensor(w[1:]), reduction="sum").item()
+                for w, logits in zip(windows, window_logits(model, windows)))
+    return total / (len(windows) * (len(windows[0]) - 1))
 
 
 def measure_quality(args) -> dict:
