@@ -15,6 +15,7 @@
  * takes its chain's previous result (a loop-invariant product would be hoisted out of the loop),
  * and the results are folded into a value the caller receives, so no loop can be dropped. */
 #include <stdint.h>
+#include <string.h>
 
 #include "cpu_simd.h"
 
@@ -40,11 +41,38 @@ int64_t ceiling_fma(int64_t iters, float *sink, int num_threads) {
     return total;
 }
 
-/* int32 lanes of the int16 probe's vectors: 512-bit on the AVX-512 build, else 256-bit. */
+/* The int16 probe's step per path, on vectors of MADD16_LANES int32 lanes read as int16 pairs
+ * (the kernels' instruction, the same chains otherwise): */
 #if defined(SPECSERVE_ISA_AVX512)
 #define MADD16_LANES 16
+typedef __m512i madd_vec;
+SIMD_INLINE madd_vec madd_splat(int32_t v) { return _mm512_set1_epi32(v); }
+/* x + madd(x, 3): one 512-bit VPDPWSSD */
+SIMD_INLINE madd_vec madd_step(madd_vec x) {
+    return _mm512_dpwssd_epi32(x, x, _mm512_set1_epi16(3));
+}
+#elif defined(SPECSERVE_ISA_AVX2)
+#define MADD16_LANES 8
+typedef __m256i madd_vec;
+SIMD_INLINE madd_vec madd_splat(int32_t v) { return _mm256_set1_epi32(v); }
+/* madd(x, 3) - 2: VPMADDWD + VPADDD */
+SIMD_INLINE madd_vec madd_step(madd_vec x) {
+    return _mm256_add_epi32(_mm256_madd_epi16(x, _mm256_set1_epi16(3)), _mm256_set1_epi32(-2));
+}
 #else
 #define MADD16_LANES 8
+typedef int32_t madd_vec __attribute__((vector_size(32)));
+SIMD_INLINE madd_vec madd_splat(int32_t v) { return (madd_vec){0} + v; }
+/* madd(x, 3) - 2 in plain C */
+SIMD_INLINE madd_vec madd_step(madd_vec acc) {
+    typedef int16_t v16 __attribute__((vector_size(32)));
+    typedef uint32_t uv8 __attribute__((vector_size(32)));
+    const v16 x = (v16)acc;
+    madd_vec sums = {0};
+    for (int l = 0; l < MADD16_LANES; l++) /* |each product| < 2^17: the pair's sum is exact */
+        sums[l] = (int32_t)x[2 * l] * 3 + (int32_t)x[2 * l + 1] * 3;
+    return (madd_vec)((uv8)sums - 2u); /* wraps as VPADDD does */
+}
 #endif
 
 /* Returns the int16 multiply-adds done (iters * ACCS * 2 * MADD16_LANES per thread, summed). */
@@ -52,52 +80,17 @@ int64_t ceiling_madd16(int64_t iters, int32_t *sink, int num_threads) {
     int64_t total = 0;
 #pragma omp parallel num_threads(num_threads) reduction(+ : total)
     {
-#if defined(SPECSERVE_ISA_AVX512)
-        __m512i acc[ACCS];
-        const __m512i a = _mm512_set1_epi16(3);
-        for (int j = 0; j < ACCS; j++) acc[j] = _mm512_set1_epi32(j);
+        madd_vec acc[ACCS];
+        for (int j = 0; j < ACCS; j++) acc[j] = madd_splat(j);
         for (int64_t i = 0; i < iters; i++)
 #pragma GCC unroll 8
-            for (int j = 0; j < ACCS; j++) acc[j] = _mm512_dpwssd_epi32(acc[j], acc[j], a);
-        uint32_t lanes[MADD16_LANES], folded = 0; /* unsigned: the fold wraps, defined */
-        for (int j = 0; j < ACCS; j++) {
-            _mm512_storeu_si512(lanes, acc[j]);
-            for (int l = 0; l < MADD16_LANES; l++) folded += lanes[l];
-        }
-#elif defined(SPECSERVE_ISA_AVX2)
-        __m256i acc[ACCS];
-        const __m256i a = _mm256_set1_epi16(3);
-        for (int j = 0; j < ACCS; j++) acc[j] = _mm256_set1_epi32(j);
-        for (int64_t i = 0; i < iters; i++)
-#pragma GCC unroll 8
-            for (int j = 0; j < ACCS; j++)
-                acc[j] = _mm256_add_epi32(_mm256_madd_epi16(acc[j], a), _mm256_set1_epi32(-2));
-        uint32_t lanes[MADD16_LANES], folded = 0; /* unsigned: the fold wraps, defined */
-        for (int j = 0; j < ACCS; j++) {
-            _mm256_storeu_si256((__m256i *)lanes, acc[j]);
-            for (int l = 0; l < MADD16_LANES; l++) folded += lanes[l];
-        }
-#else
-        typedef int16_t v16 __attribute__((vector_size(32)));
-        typedef int32_t v8 __attribute__((vector_size(32)));
-        typedef uint32_t uv8 __attribute__((vector_size(32)));
-        v8 acc[ACCS];
-        const v16 a = (v16){0} + 3;
-        for (int j = 0; j < ACCS; j++) acc[j] = (v8){0} + j;
-        for (int64_t i = 0; i < iters; i++)
-#pragma GCC unroll 8
-            for (int j = 0; j < ACCS; j++) {
-                const v16 x = (v16)acc[j];
-                v8 sums = {0};
-                for (int l = 0; l < 8; l++)
-                    sums[l] = (int32_t)x[2 * l] * a[2 * l] + (int32_t)x[2 * l + 1] * a[2 * l + 1];
-                /* |each product| < 2^17: the pair's sum is exact */
-                acc[j] = (v8)((uv8)sums - 2u); /* wraps as VPADDD does */
-            }
+            for (int j = 0; j < ACCS; j++) acc[j] = madd_step(acc[j]);
         uint32_t folded = 0; /* unsigned: the fold wraps, defined */
-        for (int j = 0; j < ACCS; j++)
-            for (int l = 0; l < 8; l++) folded += (uint32_t)acc[j][l];
-#endif
+        for (int j = 0; j < ACCS; j++) {
+            uint32_t lanes[MADD16_LANES];
+            memcpy(lanes, &acc[j], sizeof lanes);
+            for (int l = 0; l < MADD16_LANES; l++) folded += lanes[l];
+        }
 #pragma omp critical
         *sink = (int32_t)((uint32_t)*sink + folded);
         total += iters * ACCS * 2 * MADD16_LANES;
