@@ -14,8 +14,8 @@
  * the next pack reads are fetched into L2 (Lookahead): the widened model's products, Zen 5,
  * 2 threads, ms before -> after at 16 / 32 rows: AVX-512 17.8 -> 14.5 / 25.9 -> 22.7, AVX2
  * 39.6 -> 31.0 / 64.6 -> 54.6, 512 rows unchanged. AVX2, 2-core Zen 3, the widened model's
- * products at 512 rows, one thread: 52-65 GFLOP/s where the matrix-vector kernel ran 42-49 and torch's
- * fp32 GEMM (weights already fp32) 55-68, side by side under the same load.
+ * products at 512 rows, one thread: 52-65 GFLOP/s where the matrix-vector kernel ran 42-49
+ * and torch's fp32 GEMM (weights already fp32) 55-68, side by side under the same load.
  *
  * Why dot steps and not an outer-product micro-kernel (broadcast x, vectors over n): each
  * output is summed exactly as the matrix-vector kernel sums it, so a row gives bit-identical
