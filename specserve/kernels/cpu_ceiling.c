@@ -60,18 +60,19 @@ SIMD_INLINE madd_vec madd_step(madd_vec x) {
     return _mm256_add_epi32(_mm256_madd_epi16(x, _mm256_set1_epi16(3)), _mm256_set1_epi32(-2));
 }
 #else
-#define MADD16_LANES 8
-typedef int32_t madd_vec __attribute__((vector_size(32)));
+/* 16 bytes: a wider vector passed by value without AVX changes the ABI (gcc's -Wpsabi) */
+#define MADD16_LANES 4
+typedef int32_t madd_vec __attribute__((vector_size(16)));
 SIMD_INLINE madd_vec madd_splat(int32_t v) { return (madd_vec){0} + v; }
 /* madd(x, 3) - 2 in plain C */
 SIMD_INLINE madd_vec madd_step(madd_vec acc) {
-    typedef int16_t v16 __attribute__((vector_size(32)));
-    typedef uint32_t uv8 __attribute__((vector_size(32)));
+    typedef int16_t v16 __attribute__((vector_size(16)));
+    typedef uint32_t uv4 __attribute__((vector_size(16)));
     const v16 x = (v16)acc;
     madd_vec sums = {0};
     for (int l = 0; l < MADD16_LANES; l++) /* |each product| < 2^17: the pair's sum is exact */
         sums[l] = (int32_t)x[2 * l] * 3 + (int32_t)x[2 * l + 1] * 3;
-    return (madd_vec)((uv8)sums - 2u); /* wraps as VPADDD does */
+    return (madd_vec)((uv4)sums - 2u); /* wraps as VPADDD does */
 }
 #endif
 

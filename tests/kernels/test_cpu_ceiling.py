@@ -11,7 +11,7 @@ import pytest
 from specserve.kernels import cpu_build
 
 VF = {"amx": 16, "avx512": 16, "avx2": 8, "portable": 4}  # cpu_simd.h's fp32 lanes
-MADD16_LANES = {"amx": 16, "avx512": 16, "avx2": 8, "portable": 8}  # the int16 probe's int32 lanes
+MADD16_LANES = {"amx": 16, "avx512": 16, "avx2": 8, "portable": 4}  # the int16 probe's int32 lanes
 ACCS = 8
 
 
