@@ -8,7 +8,7 @@ greedy replies to ``--num-prompts`` chat questions of ``chat_prompts.py`` (``cha
 saved in ``--work`` after every batch, so a run resumes), or, with ``--corpus``, the replies
 come from the committed corpus shards (``corpus.py``: greedy and sampled, first and second
 turns; held out: the greedy replies of the last shards) -> the target's final hidden states over
-every prompt + reply, in one forward each (cached in ``--work``) -> the draft's vocabulary (the
+every prompt + reply, as specserve serves it (cached in ``--work``) -> the draft's vocabulary (the
 ``--head-vocab`` most frequent reply tokens) -> an EAGLE-style draft of ``--layers`` decoder
 layers that reads those states (``eagle_draft.py``), distilled on them -> the draft saved with
 the target's tokenizer -> evaluation in the specserve engine on
@@ -258,10 +258,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
     log(f"{len(records)} replies, {reply_tokens} reply tokens", start)
 
     t0 = time.time()
-    states_file = data_file.with_name(data_file.stem + "-states.pt")
+    # "served": the served model's states (earlier runs cached those of a transformers model)
+    states_file = data_file.with_name(data_file.stem + "-served-states.pt")
     states = torch.load(states_file) if states_file.is_file() else None
     if states is None or len(states) != len(records):
-        states = target_states(target, records, log=lambda m: log(m, start))
+        states = target_states(target_path, records, log=lambda m: log(m, start))
         torch.save(states, states_file)
     timings["states_s_this_run"] = time.time() - t0
 

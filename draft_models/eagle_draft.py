@@ -11,7 +11,7 @@ computed yet. The input embeddings are the target's (frozen, not shipped); the h
 target's tied embedding rows of the `head_vocab_size` most frequent reply tokens (FR-Spec,
 frozen): a draft whose h equals f ranks those tokens exactly as the target does.
 
-Training is teacher forcing on target-written replies whose f the target computed once
+Training is teacher forcing on target-written replies whose f the served target computed once
 (`target_states`): the loss at each reply position is smooth-L1(h_j, f_j) plus the cross-entropy
 between the target's next-token distribution over the draft's tokens and the draft's. With
 `unroll` k > 1, pass i (2..k) feeds every position the draft's own h_{j-1} from pass i - 1
@@ -36,24 +36,38 @@ from torch import nn
 
 
 @torch.inference_mode()
-def target_states(target: nn.Module, records: Sequence[dict], batch_size: int = 16,
-                  log=print) -> list[torch.Tensor]:
-    """Per record, the target's final (post-norm) hidden states over prompt + reply,
-    float16 [len(prompt) + len(reply), H]: what the head reads and the draft imitates."""
+def target_states(target: str | Path, records: Sequence[dict], batch_tokens: int = 8192,
+                  block_size: int = 16, log=print) -> list[torch.Tensor]:
+    """Per record, the served target's final (post-norm) hidden states over prompt + reply,
+    float16 [len(prompt) + len(reply), H]: what the head reads and the draft imitates.
+
+    The target runs as specserve serves it (`load_model`: a GGUF's quantized projections on
+    their own blocks, through the engine's runner), so the draft learns the very states the
+    engine hands it, and the batched prefill runs several times faster than a transformers
+    forward of the dequantized weights. Records go in batches of about `batch_tokens` tokens,
+    each its own sequence in one forward."""
+    from specserve.model.loader import load_model
+    from specserve.model.runner import ModelRunner, Segment
+
+    model = load_model(target)
+    blocks = [-(-(len(r["prompt_ids"]) + len(r["reply_ids"])) // block_size) for r in records]
+    runner = ModelRunner(model, max(blocks, default=0) + batch_tokens // block_size, block_size)
     out: list[torch.Tensor] = []
-    for i in range(0, len(records), batch_size):
-        batch = records[i:i + batch_size]
-        seqs = [r["prompt_ids"] + r["reply_ids"] for r in batch]
-        width = max(map(len, seqs))
-        ids = torch.zeros(len(seqs), width, dtype=torch.long)
-        mask = torch.zeros(len(seqs), width, dtype=torch.long)
-        for b, seq in enumerate(seqs):
-            ids[b, :len(seq)] = torch.tensor(seq)
-            mask[b, :len(seq)] = 1
-        hidden = target.model(input_ids=ids, attention_mask=mask).last_hidden_state  # [B, T, H]
-        out += [hidden[b, :len(seq)].to(torch.float16).clone() for b, seq in enumerate(seqs)]
-        if (i // batch_size) % 10 == 0:
-            log(f"target states {len(out)}/{len(records)}")
+    i = 0
+    while i < len(records):
+        segments, used = [], 0
+        while i < len(records) and (not segments or used + blocks[i] * block_size
+                                    <= batch_tokens):
+            seq = records[i]["prompt_ids"] + records[i]["reply_ids"]
+            table = list(range(used // block_size, used // block_size + blocks[i]))
+            segments.append(Segment(seq, range(len(seq)), 0, table, [],
+                                    hidden_rows=range(len(seq))))
+            used += blocks[i] * block_size
+            i += 1
+        hidden: list[torch.Tensor] = []
+        runner.forward(segments, hidden)
+        out += [h.to(torch.float16).clone() for h in hidden]  # [len(seq), H] each
+        log(f"target states {len(out)}/{len(records)}")
     return out
 
 

@@ -21,7 +21,7 @@ def setup(tiny_target: Path):
     records = [{"prompt_ids": torch.randint(3, 300, (5,), generator=gen).tolist(),
                 "reply_ids": torch.randint(3, 300, (7,), generator=gen).tolist()}
                for _ in range(8)]
-    return target, records, target_states(target, records, log=lambda m: None)
+    return target, records, target_states(tiny_target, records, log=lambda m: None)
 
 
 def fresh_draft(target) -> EagleDraft:

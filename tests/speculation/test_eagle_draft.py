@@ -218,6 +218,29 @@ def test_sampling_keeps_the_target_distribution(tmp_path):
 
 
 # ---- distillation -------------------------------------------------------------------------
+def test_target_states_are_the_served_models_final_states(pair):
+    """The recipe's states come from the model as specserve serves it, batched into forwards of
+    about `batch_tokens` (here several records per forward, and records across blocks): each
+    record's rows are its own prompt + reply's final hidden states, as transformers computes
+    them from the same weights."""
+    target_dir, _ = pair
+    target = hf(target_dir)
+    g = torch.Generator().manual_seed(1)
+    records = [{"prompt_ids": torch.randint(3, VOCAB, (n,), generator=g).tolist(),
+                "reply_ids": torch.randint(3, VOCAB, (m,), generator=g).tolist()}
+               for n, m in [(5, 7), (17, 20), (3, 1), (9, 30), (2, 2)]]
+    logged = []
+    states = target_states(target_dir, records, batch_tokens=48, block_size=8,
+                           log=logged.append)
+    assert len(logged) > 1  # more than one forward
+    for r, got in zip(records, states):
+        seq = torch.tensor([r["prompt_ids"] + r["reply_ids"]])
+        with torch.no_grad():
+            want = target.model(input_ids=seq).last_hidden_state[0]  # [T, H]
+        assert got.dtype == torch.float16 and got.shape == want.shape
+        torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+
+
 def test_distillation_learns_the_targets_states(pair):
     target_dir, _ = pair
     target = hf(target_dir)
@@ -228,7 +251,7 @@ def test_distillation_learns_the_targets_states(pair):
                                   max_new_tokens=10, min_new_tokens=10, do_sample=False)[:, 6:]
     records = [{"prompt_ids": p.tolist(), "reply_ids": r.tolist()}
                for p, r in zip(prompts, replies)]
-    states = target_states(target, records, batch_size=8, log=lambda m: None)
+    states = target_states(target_dir, records, log=lambda m: None)
     assert [len(s) for s in states] == [16] * 24
     torch.manual_seed(0)
     draft = EagleDraft(target, 1, torch.arange(VOCAB), (0,))
