@@ -8,14 +8,18 @@
  * (KC_BYTES of dot steps: on AVX2 bf16 widened to fp32 even/odd lanes, once per tile and
  * block instead of once per activation row), so the packed block stays in L1 while every
  * activation row streams past it, TILE_MR rows against TILE_NR weight rows at a time with
- * their DOT_U accumulators per output in registers (on AVX2 one row's dot step feeds six
- * outputs). Across K-blocks a row's accumulators wait in a per-thread buffer
- * ([M][GEMM_NR][DOT_U] dot_acc, in L2). While the rows compute against one block, the lines
- * the next pack reads are fetched into L2 (Lookahead): the widened model's products, Zen 5,
- * 2 threads, ms before -> after at 16 / 32 rows: AVX-512 17.8 -> 14.5 / 25.9 -> 22.7, AVX2
- * 39.6 -> 31.0 / 64.6 -> 54.6, 512 rows unchanged. AVX2, 2-core Zen 3, the widened model's
- * products at 512 rows, one thread: 52-65 GFLOP/s where the matrix-vector kernel ran 42-49
- * and torch's fp32 GEMM (weights already fp32) 55-68, side by side under the same load.
+ * their accumulators in registers, one of an output's DOT_U at a time (on AVX2 one row's dot
+ * step feeds six outputs). Across K-blocks a row's accumulators wait in a per-thread buffer
+ * ([M][GEMM_NR][DOT_U] dot_acc, in L2); after the last block each tile's outputs are summed
+ * and stored at once. While the rows compute against one block, the lines the next pack reads
+ * are fetched (Lookahead). The widened model's products, Zen 5, 2 threads, ms before -> after
+ * at 16 / 32 rows: AVX-512 17.8 -> 14.5 / 25.9 -> 22.7, AVX2 39.6 -> 31.0 / 64.6 -> 54.6,
+ * 512 rows unchanged (Lookahead); AVX-512 12.6 -> 11.4 / 20.5 -> 16.7, AVX2 unchanged (28.4
+ * -> 28.5 / 50.8 -> 51.2), 512 rows no slower (the 4 x 6 tile, the vector sums, the
+ * fetch without a divide; fastest of 11-15 per product, the CPU shared with other work). AVX2,
+ * 2-core Zen 3, the widened model's products at 512 rows, one thread: 52-65 GFLOP/s where the
+ * matrix-vector kernel ran 42-49 and torch's fp32 GEMM (weights already fp32) 55-68, side by
+ * side under the same load.
  *
  * Why dot steps and not an outer-product micro-kernel (broadcast x, vectors over n): each
  * output is summed exactly as the matrix-vector kernel sums it, so a row gives bit-identical
@@ -33,15 +37,18 @@
 #include "cpu_kernels.h"
 #include "cpu_simd.h"
 
-/* Register tile: TILE_MR activation rows x TILE_NR weight rows, TILE_MR x TILE_NR x DOT_U
- * accumulators plus the tile's activation steps in registers, weight steps as memory operands
- * (AVX2: 12 + 2 of 16 ymm, 13 loads per 12 multiply-adds; a 2 x 2 tile with its weight steps
- * pinned in registers, 6 loads per 8, ran 15-25% slower: 8 accumulators barely cover the
- * multiply-add latency). A packed block is GEMM_NR weight rows. */
+/* Register tile: TILE_MR activation rows x TILE_NR weight rows, TILE_MR x TILE_NR accumulators
+ * (one of each output's DOT_U at a time) plus the tile's activation steps in registers.
+ * AVX-512: 24 + 4 + 1 of 32 zmm, 10 loads per 24 multiply-adds (the 2 x 4 tile with both
+ * accumulators of each output, 16 + 2, loaded 6 per 8); from L1 the loop issues 2 VDPBF16PS a
+ * cycle on Zen 5, and GEMM_NR 6 ran 5-12% faster than 12 (x reloaded once per tile).
+ * AVX2: 12 + 2 of 16 ymm, weight steps as memory operands, 13 loads per 12 multiply-adds; a
+ * 2 x 2 tile with its weight steps pinned in registers, 6 loads per 8, ran 15-25% slower: 8
+ * accumulators barely cover the multiply-add latency. A packed block is GEMM_NR weight rows. */
 #if defined(SPECSERVE_ISA_AVX512)
-#define TILE_MR 2
-#define TILE_NR 4
-#define GEMM_NR 8
+#define TILE_MR 4
+#define TILE_NR 6
+#define GEMM_NR 6
 #elif defined(SPECSERVE_ISA_AVX2)
 #define TILE_MR 1
 #define TILE_NR 6
@@ -54,92 +61,159 @@
 #define KC_BYTES (24 * 1024) /* one packed K-block of GEMM_NR rows: L1 beside the x stream */
 #define PARALLEL_MIN_MACS (1 << 18)
 
-/* Steps [s0, s1) of MR activation rows (x, row stride K) against weight rows [c, c + TILE_NR)
- * of a packed K-block (wp [s1 - s0][GEMM_NR]); acc[i][c + r] the accumulators of row i and
- * weight row c + r, in and out. s0 is a multiple of DOT_U. */
-static inline __attribute__((always_inline)) void tile(
-    const int MR, const uint16_t *x, const dot_vec *wp, int c, dot_acc (*acc)[GEMM_NR][DOT_U],
-    int64_t s0, int64_t s1, int64_t main_steps, int64_t K) {
-    dot_acc a[TILE_MR][TILE_NR][DOT_U];
-#pragma GCC unroll 4
+/* One K-block of a thread's tile of GEMM_NR weight rows, and where the tile's outputs go. */
+typedef struct {
+    const uint16_t *x; /* activations [M, K] */
+    int64_t K, s0, s1; /* the block's steps [s0, s1); s0 is a multiple of DOT_U */
+    int64_t main_steps;
+    int last;          /* the tile's last K-block: its outputs are then complete */
+    Output y;          /* at the tile's first column */
+    int64_t N;         /* y's row stride */
+    int nr;            /* weight rows of the tile that exist (the rest are zero padding) */
+} Block;
+
+#if defined(SPECSERVE_ISA_AVX512)
+/* out[k] = dot_sum(v[k]) for 16 accumulators at once: each lane sees vf_reduce_add's additions
+ * in its order (upper half onto lower, first operand the lower), transposed so that one add
+ * serves 16 outputs where dot_sum spends a chain of shuffles and adds on each. */
+static inline void dot_sum16(const dot_acc v[16], float out[16]) {
+    dot_acc h[8], q[4], t[2];
+    for (int j = 0; j < 8; j++) /* [256-bit halves of v[2j] added | of v[2j + 1]] */
+        h[j] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0xEE));
+    for (int j = 0; j < 4; j++) /* 128-bit quarter k: v[4j + k]'s 128-bit halves added */
+        q[j] = _mm512_add_ps(_mm512_shuffle_f32x4(h[2 * j], h[2 * j + 1], 0x88),
+                             _mm512_shuffle_f32x4(h[2 * j], h[2 * j + 1], 0xDD));
+    for (int j = 0; j < 2; j++) /* quarter k: lanes 0 + 2, 1 + 3 of v[8j + k], of v[8j + 4 + k] */
+        t[j] = _mm512_add_ps(_mm512_shuffle_ps(q[2 * j], q[2 * j + 1], 0x44),
+                             _mm512_shuffle_ps(q[2 * j], q[2 * j + 1], 0xEE));
+    float f[16]; /* quarter k, lane e: the sum of v[4e + k] */
+    _mm512_storeu_ps(f, _mm512_add_ps(_mm512_shuffle_ps(t[0], t[1], 0x88),
+                                      _mm512_shuffle_ps(t[0], t[1], 0xDD)));
+    for (int k = 0; k < 16; k++) out[k] = f[k % 4 * 4 + k / 4];
+}
+#endif
+
+/* sums[i * TILE_NR + r] = dot_total(acc[m + i][c + r]), rows [m, m + MR) */
+static inline __attribute__((always_inline)) void tile_sums(
+    const int MR, dot_acc (*acc)[GEMM_NR][DOT_U], int64_t m, int c, float *sums) {
+#if defined(SPECSERVE_ISA_AVX512)
+    dot_acc t[(TILE_MR * TILE_NR + 15) / 16 * 16];
+    for (int k = MR * TILE_NR; k < (MR * TILE_NR + 15) / 16 * 16; k++) t[k] = dot_zero();
     for (int i = 0; i < MR; i++)
+        for (int r = 0; r < TILE_NR; r++) { /* the accumulators added in order, as dot_total */
+            dot_acc total = acc[m + i][c + r][0];
+            for (int u = 1; u < DOT_U; u++) total = dot_add(total, acc[m + i][c + r][u]);
+            t[i * TILE_NR + r] = total;
+        }
+    for (int k = 0; k < MR * TILE_NR; k += 16) dot_sum16(t + k, sums + k);
+#else
+    for (int i = 0; i < MR; i++)
+        for (int r = 0; r < TILE_NR; r++) sums[i * TILE_NR + r] = dot_total(acc[m + i][c + r]);
+#endif
+}
+
+/* Rows [m, m + MR) against weight rows [c, c + TILE_NR) of the packed block (wp
+ * [s1 - s0][GEMM_NR]); acc[m + i][c + r] the accumulators of row m + i and weight row c + r.
+ * One accumulator at a time: its steps (every DOT_U-th) in order, so a tile needs TILE_MR x
+ * TILE_NR registers, not DOT_U times that; accumulator 0 last, then the leftover steps and the
+ * tail. The first block starts from zero; after the last, the outputs are summed and stored
+ * while their accumulators are in L1. */
+static inline __attribute__((always_inline)) void tile(
+    const int MR, const Block *b, int64_t m, const dot_vec *wp, int c,
+    dot_acc (*acc)[GEMM_NR][DOT_U]) {
+    const int64_t K = b->K, s0 = b->s0, s1 = b->s1;
+    const uint16_t *x = b->x + m * K;
+    const int64_t round_end = s1 < b->main_steps ? s1 : b->main_steps;
+    for (int u = DOT_U - 1; u >= 0; u--) {
+        dot_acc a[TILE_MR][TILE_NR];
 #pragma GCC unroll 8
-        for (int r = 0; r < TILE_NR; r++)
-#pragma GCC unroll 4
-            for (int u = 0; u < DOT_U; u++) a[i][r][u] = acc[i][c + r][u];
-    const int64_t round_end = s1 < main_steps ? s1 : main_steps;
-    int64_t s = s0;
-    for (; s < round_end; s += DOT_U) {
-#pragma GCC unroll 4
-        for (int u = 0; u < DOT_U; u++) {
+        for (int i = 0; i < MR; i++)
+#pragma GCC unroll 8
+            for (int r = 0; r < TILE_NR; r++) a[i][r] = s0 == 0 ? dot_zero() : acc[m + i][c + r][u];
+        int64_t s = s0 + u;
+        for (; s < round_end; s += DOT_U) {
             dot_vec xv[TILE_MR];
-#pragma GCC unroll 4
-            for (int i = 0; i < MR; i++) xv[i] = dot_load(x + i * K + (s + u) * DOT_K);
-            const dot_vec *ws = wp + (s + u - s0) * GEMM_NR + c;
+#pragma GCC unroll 8
+            for (int i = 0; i < MR; i++) xv[i] = dot_load(x + i * K + s * DOT_K);
+            const dot_vec *ws = wp + (s - s0) * GEMM_NR + c;
 #pragma GCC unroll 8
             for (int r = 0; r < TILE_NR; r++) {
                 const dot_vec wv = ws[r];
-#pragma GCC unroll 4
-                for (int i = 0; i < MR; i++) a[i][r][u] = dot_step(a[i][r][u], xv[i], wv);
+#pragma GCC unroll 8
+                for (int i = 0; i < MR; i++) a[i][r] = dot_step(a[i][r], xv[i], wv);
             }
         }
-    }
-    for (; s < s1; s++) { /* leftover whole steps, then the tail, into accumulator 0 */
-        dot_vec xv[TILE_MR];
-#pragma GCC unroll 4
-        for (int i = 0; i < MR; i++) xv[i] = dot_load_step(x + i * K, s, K);
-        const dot_vec *ws = wp + (s - s0) * GEMM_NR + c;
+        if (u == 0)
+            for (s = round_end > s0 ? round_end : s0; s < s1; s++) {
+                dot_vec xv[TILE_MR];
 #pragma GCC unroll 8
-        for (int r = 0; r < TILE_NR; r++) {
-            const dot_vec wv = ws[r];
-#pragma GCC unroll 4
-            for (int i = 0; i < MR; i++) a[i][r][0] = dot_step(a[i][r][0], xv[i], wv);
-        }
-    }
-#pragma GCC unroll 4
-    for (int i = 0; i < MR; i++)
+                for (int i = 0; i < MR; i++) xv[i] = dot_load_step(x + i * K, s, K);
+                const dot_vec *ws = wp + (s - s0) * GEMM_NR + c;
 #pragma GCC unroll 8
-        for (int r = 0; r < TILE_NR; r++)
-#pragma GCC unroll 4
-            for (int u = 0; u < DOT_U; u++) acc[i][c + r][u] = a[i][r][u];
+                for (int r = 0; r < TILE_NR; r++) {
+                    const dot_vec wv = ws[r];
+#pragma GCC unroll 8
+                    for (int i = 0; i < MR; i++) a[i][r] = dot_step(a[i][r], xv[i], wv);
+                }
+            }
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; i++)
+#pragma GCC unroll 8
+            for (int r = 0; r < TILE_NR; r++) acc[m + i][c + r][u] = a[i][r];
+    }
+    if (b->last) {
+        float sums[(TILE_MR * TILE_NR + 15) / 16 * 16];
+        tile_sums(MR, acc, m, c, sums);
+        for (int i = 0; i < MR; i++)
+            for (int r = 0; r < TILE_NR && c + r < b->nr; r++)
+                store(b->y, (m + i) * b->N + c + r, c + r, sums[i * TILE_NR + r]);
+    }
 }
 
-/* The weight lines the next pack will read, fetched into L2 a share at a time while the rows
- * compute against the current block: pack() otherwise waits on memory with no arithmetic to
- * overlap, which at a few dozen rows (batched decode) is a third of the time. */
+/* The weight lines the next pack will read, fetched a share at a time while the rows compute
+ * against the current block: pack() otherwise waits on memory with no arithmetic to overlap,
+ * which at a few dozen rows (batched decode) is a third of the time. The non-temporal hint
+ * (pack reads each line once) measured 1-5% faster than the L2 hint, AVX-512 and AVX2. */
 typedef struct {
     const uint16_t *w; /* the next block's first row, at its first step, or NULL */
     int64_t row_elems; /* K: elements between rows */
     int rows;
     int64_t lines_per_row;
-    int64_t next; /* lines fetched so far */
+    int row;      /* the next line to fetch: row, line within it (counters: a 64-bit divide */
+    int64_t line; /* and remainder per line were a fifth of a 4-row product from cache) */
 } Lookahead;
 
 static inline void fetch_ahead(Lookahead *a, int64_t lines) {
-    const int64_t total = a->rows * a->lines_per_row;
-    for (int64_t end = a->next + lines < total ? a->next + lines : total; a->next < end; a->next++)
-        __builtin_prefetch((const char *)(a->w + a->next / a->lines_per_row * a->row_elems) +
-                               a->next % a->lines_per_row * 64, 0, 2);
+    for (; lines > 0 && a->row < a->rows; lines--) {
+        __builtin_prefetch((const char *)(a->w + a->row * a->row_elems) + a->line * 64, 0, 0);
+        if (++a->line == a->lines_per_row) {
+            a->line = 0;
+            a->row++;
+        }
+    }
 }
 
-/* Every activation row against one packed K-block: row groups of TILE_MR (the last may be
- * smaller), each against the block's TILE_NR-row tiles while its steps stay in L1; the next
- * block's weights are fetched a share per row group. */
-static void block_rows(const uint16_t *x, const dot_vec *wp, dot_acc (*acc)[GEMM_NR][DOT_U],
-                       int64_t M, int64_t s0, int64_t s1, int64_t main_steps, int64_t K,
-                       Lookahead *ahead) {
-    const int64_t groups = M / TILE_MR + M % TILE_MR;
+/* Every activation row against one packed K-block: row groups of TILE_MR, each against the
+ * block's TILE_NR-row tiles while its steps stay in L1, then the last rows in pairs (where
+ * TILE_MR > 2) and one; the next block's weights are fetched a share per row group. */
+static void block_rows(const Block *b, int64_t M, const dot_vec *wp,
+                       dot_acc (*acc)[GEMM_NR][DOT_U], Lookahead *ahead) {
+    const int64_t rest = M % TILE_MR;
+    const int64_t groups = M / TILE_MR + (TILE_MR > 2 ? rest / 2 + rest % 2 : rest);
     const int64_t share = ahead->w ? (ahead->rows * ahead->lines_per_row + groups - 1) / groups : 0;
     int64_t m = 0;
     for (; m + TILE_MR <= M; m += TILE_MR) {
         fetch_ahead(ahead, share);
-        for (int c = 0; c < GEMM_NR; c += TILE_NR)
-            tile(TILE_MR, x + m * K, wp, c, acc + m, s0, s1, main_steps, K);
+        for (int c = 0; c < GEMM_NR; c += TILE_NR) tile(TILE_MR, b, m, wp, c, acc);
+    }
+    for (; TILE_MR > 2 && m + 2 <= M; m += 2) {
+        fetch_ahead(ahead, share);
+        for (int c = 0; c < GEMM_NR; c += TILE_NR) tile(TILE_MR > 2 ? 2 : 1, b, m, wp, c, acc);
     }
     for (; m < M; m++) {
         fetch_ahead(ahead, share);
-        for (int c = 0; c < GEMM_NR; c += TILE_NR)
-            tile(1, x + m * K, wp, c, acc + m, s0, s1, main_steps, K);
+        for (int c = 0; c < GEMM_NR; c += TILE_NR) tile(1, b, m, wp, c, acc);
     }
 }
 
@@ -182,9 +256,7 @@ int gemm_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, float 
             if (wp == NULL || acc == NULL) continue;
             const int64_t n0 = t * GEMM_NR;
             const int nr = N - n0 < GEMM_NR ? (int)(N - n0) : GEMM_NR;
-            for (int64_t m = 0; m < M; m++)
-                for (int r = 0; r < GEMM_NR; r++)
-                    for (int u = 0; u < DOT_U; u++) acc[m][r][u] = dot_zero();
+            Block b = {x, K, 0, 0, main_steps, 0, output_at(y, n0, n0), N, nr};
             for (int64_t s0 = 0; s0 < steps; s0 += kc) {
                 const int64_t s1 = steps - s0 < kc ? steps : s0 + kc;
                 pack(w, K, n0, nr, s0, s1, wp);
@@ -193,7 +265,7 @@ int gemm_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, float 
                 const int64_t next_s0 = s1 < steps ? s1 : 0, next_n0 = s1 < steps ? n0 : n0 + GEMM_NR;
                 const int64_t next_s1 = steps - next_s0 < kc ? steps : next_s0 + kc;
                 const int64_t left = N - next_n0;
-                Lookahead ahead = {NULL, K, 0, 0, 0};
+                Lookahead ahead = {NULL, K, 0, 0, 0, 0};
                 if (left > 0) {
                     ahead.w = w + next_n0 * K + next_s0 * DOT_K;
                     ahead.rows = left < GEMM_NR ? (int)left : GEMM_NR;
@@ -201,11 +273,11 @@ int gemm_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, float 
                     ahead.lines_per_row = ((next_s1 < steps ? elems : K - next_s0 * DOT_K) *
                                            (int64_t)sizeof(uint16_t) + 63) / 64;
                 }
-                block_rows(x, wp, acc, M, s0, s1, main_steps, K, &ahead);
+                b.s0 = s0;
+                b.s1 = s1;
+                b.last = s1 == steps;
+                block_rows(&b, M, wp, acc, &ahead);
             }
-            const Output ys = output_at(y, n0, n0);
-            for (int64_t m = 0; m < M; m++)
-                for (int r = 0; r < nr; r++) store(ys, m * N + r, r, dot_total(acc[m][r]));
         }
         free(wp);
         free(acc);
