@@ -258,12 +258,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     log(f"{len(records)} replies, {reply_tokens} reply tokens", start)
 
     t0 = time.time()
-    # "served": the served model's states (earlier runs cached those of a transformers model)
-    states_file = data_file.with_name(data_file.stem + "-served-states.pt")
-    states = torch.load(states_file) if states_file.is_file() else None
-    if states is None or len(states) != len(records):
-        states = target_states(target_path, records, log=lambda m: log(m, start))
-        torch.save(states, states_file)
+    states = target_states(target_path, records, cache=work, log=lambda m: log(m, start))
     timings["states_s_this_run"] = time.time() - t0
 
     t0 = time.time()

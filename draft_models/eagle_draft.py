@@ -24,6 +24,7 @@ The saved folder is a Hugging Face-style Llama checkpoint (specserve loads it wi
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from collections.abc import Iterator, Sequence
@@ -37,7 +38,8 @@ from torch import nn
 
 @torch.inference_mode()
 def target_states(target: str | Path, records: Sequence[dict], batch_tokens: int = 8192,
-                  block_size: int = 16, log=print) -> list[torch.Tensor]:
+                  block_size: int = 16, cache: Path | None = None, chunk: int = 512,
+                  log=print) -> list[torch.Tensor]:
     """Per record, the served target's final (post-norm) hidden states over prompt + reply,
     float16 [len(prompt) + len(reply), H]: what the head reads and the draft imitates.
 
@@ -45,30 +47,72 @@ def target_states(target: str | Path, records: Sequence[dict], batch_tokens: int
     their own blocks, through the engine's runner), so the draft learns the very states the
     engine hands it, and the batched prefill runs several times faster than a transformers
     forward of the dequantized weights. Records go in batches of about `batch_tokens` tokens,
-    each its own sequence in one forward."""
-    from specserve.model.loader import load_model
-    from specserve.model.runner import ModelRunner, Segment
+    each its own sequence in one forward.
 
-    model = load_model(target)
-    blocks = [-(-(len(r["prompt_ids"]) + len(r["reply_ids"])) // block_size) for r in records]
-    runner = ModelRunner(model, max(blocks, default=0) + batch_tokens // block_size, block_size)
-    out: list[torch.Tensor] = []
-    i = 0
-    while i < len(records):
-        segments, used = [], 0
-        while i < len(records) and (not segments or used + blocks[i] * block_size
-                                    <= batch_tokens):
-            seq = records[i]["prompt_ids"] + records[i]["reply_ids"]
-            table = list(range(used // block_size, used // block_size + blocks[i]))
-            segments.append(Segment(seq, range(len(seq)), 0, table, [],
-                                    hidden_rows=range(len(seq))))
-            used += blocks[i] * block_size
-            i += 1
-        hidden: list[torch.Tensor] = []
-        runner.forward(segments, hidden)
-        out += [h.to(torch.float16).clone() for h in hidden]  # [len(seq), H] each
-        log(f"target states {len(out)}/{len(records)}")
-    return out
+    With `cache` (a folder), the states are kept there in chunks of `chunk` records, each file
+    named by a digest of the target's name and the chunk's token ids: a killed run keeps the
+    chunks it finished (the whole corpus takes tens of minutes), and a corpus that grew reuses
+    every chunk whose records are unchanged."""
+    runner = None
+
+    def compute(part: Sequence[dict], done: int) -> list[torch.Tensor]:
+        nonlocal runner
+        from specserve.model.runner import Segment
+
+        if runner is None:
+            runner = _states_runner(target, records, batch_tokens, block_size)
+        out: list[torch.Tensor] = []
+        i = 0
+        while i < len(part):
+            segments, used = [], 0
+            while i < len(part) and (not segments or used + _blocks(part[i], block_size)
+                                     * block_size <= batch_tokens):
+                seq = part[i]["prompt_ids"] + part[i]["reply_ids"]
+                n = _blocks(part[i], block_size)
+                table = list(range(used // block_size, used // block_size + n))
+                segments.append(Segment(seq, range(len(seq)), 0, table, [],
+                                        hidden_rows=range(len(seq))))
+                used += n * block_size
+                i += 1
+            hidden: list[torch.Tensor] = []
+            runner.forward(segments, hidden)
+            out += [h.to(torch.float16).clone() for h in hidden]  # [len(seq), H] each
+            log(f"target states {done + len(out)}/{len(records)}")
+        return out
+
+    if cache is None:
+        return compute(records, 0)
+    states: list[torch.Tensor] = []
+    for first in range(0, len(records), chunk):
+        part = records[first:first + chunk]
+        ids = [Path(target).name] + [[r["prompt_ids"], r["reply_ids"]] for r in part]
+        digest = hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]
+        path = Path(cache) / f"{Path(target).stem}-states-{digest}.pt"
+        if path.is_file():
+            states += torch.load(path)
+            log(f"target states {len(states)}/{len(records)} (cached)")
+            continue
+        computed = compute(part, len(states))
+        tmp = path.with_suffix(".tmp")  # written beside it, then renamed: never half a file
+        torch.save(computed, tmp)
+        tmp.replace(path)
+        states += computed
+    return states
+
+
+def _blocks(record: dict, block_size: int) -> int:
+    """KV blocks of one record's prompt + reply."""
+    return -(-(len(record["prompt_ids"]) + len(record["reply_ids"])) // block_size)
+
+
+def _states_runner(target: str | Path, records: Sequence[dict], batch_tokens: int,
+                   block_size: int):
+    """The served target in a runner whose cache holds one batch (or the longest record)."""
+    from specserve.model.loader import load_model
+    from specserve.model.runner import ModelRunner
+
+    longest = max((_blocks(r, block_size) for r in records), default=0)
+    return ModelRunner(load_model(target), longest + batch_tokens // block_size, block_size)
 
 
 class EagleDraft(nn.Module):

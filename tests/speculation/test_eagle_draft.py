@@ -241,6 +241,28 @@ def test_target_states_are_the_served_models_final_states(pair):
         torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
 
 
+def test_target_states_go_on_from_their_cached_chunks(pair, tmp_path):
+    """With a cache folder the states are saved in chunks named by their records: a run that
+    stopped after some chunks (here: a corpus of the first four records) has them read back,
+    and only the rest is computed."""
+    target_dir, _ = pair
+    g = torch.Generator().manual_seed(2)
+    records = [{"prompt_ids": torch.randint(3, VOCAB, (4 + i,), generator=g).tolist(),
+                "reply_ids": torch.randint(3, VOCAB, (6,), generator=g).tolist()}
+               for i in range(7)]
+    uncached = target_states(target_dir, records, log=lambda m: None)
+    target_states(target_dir, records[:4], cache=tmp_path, chunk=2, log=lambda m: None)
+    assert len(list(tmp_path.glob("*-states-*.pt"))) == 2
+    logged = []
+    states = target_states(target_dir, records, cache=tmp_path, chunk=2, log=logged.append)
+    assert sum("(cached)" in m for m in logged) == 2  # records 0-3 read back
+    assert len(list(tmp_path.glob("*-states-*.pt"))) == 4  # 4-5 and 6 computed and saved
+    assert not list(tmp_path.glob("*.tmp"))
+    assert [s.shape for s in states] == [s.shape for s in uncached]
+    for got, want in zip(states, uncached):
+        torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+
+
 def test_distillation_learns_the_targets_states(pair):
     target_dir, _ = pair
     target = hf(target_dir)
