@@ -53,66 +53,55 @@ def target_states(target: str | Path, records: Sequence[dict], batch_tokens: int
     named by a digest of the target's name and the chunk's token ids: a killed run keeps the
     chunks it finished (the whole corpus takes tens of minutes), and a corpus that grew reuses
     every chunk whose records are unchanged."""
+    from specserve.model.loader import load_model
+    from specserve.model.runner import ModelRunner, Segment
+
+    blocks = [-(-(len(r["prompt_ids"]) + len(r["reply_ids"])) // block_size) for r in records]
     runner = None
 
-    def compute(part: Sequence[dict], done: int) -> list[torch.Tensor]:
+    def compute(lo: int, hi: int) -> list[torch.Tensor]:
+        """The states of records[lo:hi]."""
         nonlocal runner
-        from specserve.model.runner import Segment
-
-        if runner is None:
-            runner = _states_runner(target, records, batch_tokens, block_size)
+        if runner is None:  # loaded only once some states are not cached
+            # KV for one batch, or for the longest record alone
+            num_blocks = max(blocks, default=0) + batch_tokens // block_size
+            runner = ModelRunner(load_model(target), num_blocks, block_size)
         out: list[torch.Tensor] = []
-        i = 0
-        while i < len(part):
-            segments, used = [], 0
-            while i < len(part) and (not segments or used + _blocks(part[i], block_size)
-                                     * block_size <= batch_tokens):
-                seq = part[i]["prompt_ids"] + part[i]["reply_ids"]
-                n = _blocks(part[i], block_size)
-                table = list(range(used // block_size, used // block_size + n))
-                segments.append(Segment(seq, range(len(seq)), 0, table, [],
+        i = lo
+        while i < hi:
+            segments, used = [], 0  # used: KV blocks of this forward
+            while i < hi and (not segments or used + blocks[i] <= batch_tokens // block_size):
+                seq = records[i]["prompt_ids"] + records[i]["reply_ids"]
+                segments.append(Segment(seq, range(len(seq)), 0,
+                                        list(range(used, used + blocks[i])), [],
                                         hidden_rows=range(len(seq))))
-                used += n * block_size
+                used += blocks[i]
                 i += 1
             hidden: list[torch.Tensor] = []
             runner.forward(segments, hidden)
             out += [h.to(torch.float16).clone() for h in hidden]  # [len(seq), H] each
-            log(f"target states {done + len(out)}/{len(records)}")
+            log(f"target states {i}/{len(records)}")
         return out
 
     if cache is None:
-        return compute(records, 0)
+        return compute(0, len(records))
     states: list[torch.Tensor] = []
     for first in range(0, len(records), chunk):
-        part = records[first:first + chunk]
-        ids = [Path(target).name] + [[r["prompt_ids"], r["reply_ids"]] for r in part]
+        last = min(first + chunk, len(records))
+        ids = [Path(target).name] + [[r["prompt_ids"], r["reply_ids"]]
+                                     for r in records[first:last]]
         digest = hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]
         path = Path(cache) / f"{Path(target).stem}-states-{digest}.pt"
         if path.is_file():
             states += torch.load(path)
-            log(f"target states {len(states)}/{len(records)} (cached)")
+            log(f"target states {last}/{len(records)} (cached)")
             continue
-        computed = compute(part, len(states))
+        computed = compute(first, last)
         tmp = path.with_suffix(".tmp")  # written beside it, then renamed: never half a file
         torch.save(computed, tmp)
         tmp.replace(path)
         states += computed
     return states
-
-
-def _blocks(record: dict, block_size: int) -> int:
-    """KV blocks of one record's prompt + reply."""
-    return -(-(len(record["prompt_ids"]) + len(record["reply_ids"])) // block_size)
-
-
-def _states_runner(target: str | Path, records: Sequence[dict], batch_tokens: int,
-                   block_size: int):
-    """The served target in a runner whose cache holds one batch (or the longest record)."""
-    from specserve.model.loader import load_model
-    from specserve.model.runner import ModelRunner
-
-    longest = max((_blocks(r, block_size) for r in records), default=0)
-    return ModelRunner(load_model(target), longest + batch_tokens // block_size, block_size)
 
 
 class EagleDraft(nn.Module):
