@@ -33,7 +33,7 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", help="weight-only quantization of the target: int8 | int4 "
                    "(default: none)")
     p.add_argument("--draft-quantization", help="the draft's: int8 | int4 | none (default: the "
-                   "target's)")
+                   "target's; int8 when the target runs on a GGUF's quantized blocks)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks to split the "
                    "target over (spawned on this machine, or the ranks torchrun started)")
     p.add_argument("--draft-tp", type=int, default=1, help="1: the draft runs whole on rank 0 "

@@ -48,7 +48,8 @@ class EngineConfig:
                      pp: int = 1, **options) -> EngineConfig:
         """The config for `LLM(...)` / CLI keyword options; unknown ones are an error.
 
-        draft_quantization None means the target's quantization."""
+        draft_quantization None means the target's quantization (and int8 for a target that
+        runs on a GGUF's quantized blocks: model.quant.draft_quantization)."""
         from .model.quant import resolve_quantization
 
         if draft_quantization is None:

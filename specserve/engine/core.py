@@ -23,6 +23,7 @@ import torch
 from ..config import EngineConfig
 from ..kernels import cpu_build
 from ..model.loader import load_model, load_tokenizer
+from ..model.quant import draft_quantization
 from ..model.runner import ModelRunner, Segment, kv_bytes_per_block
 from ..outputs import RequestDelta
 from ..sampling import SamplingParams, process_logits
@@ -54,7 +55,8 @@ class EngineCore:
         self.tokenizer = load_tokenizer(config.target)
         self.target = load_model(config.target, config.dtype, config.device, config.quantization)
         self.draft = (load_model(config.draft, config.dtype, config.device,
-                                 config.draft_quantization, target=self.target)
+                                 draft_quantization(self.target, config.draft_quantization),
+                                 target=self.target)
                       if config.draft else None)
         if self.draft is not None:
             _check_same_vocabulary(config.target, config.draft, self.tokenizer)

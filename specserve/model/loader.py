@@ -147,8 +147,9 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto",
     `shard`, `stage`: the tensor-parallel slice and pipeline stage to hold (a stage gives a
     `StageLM`); by default what the launcher registered for this checkpoint
     (`distributed.shard_for_checkpoint`), else the whole model.
-    `target`: the loaded target, for a draft that shares its embeddings (config.json's
-    `shares_target_embeddings`); the draft then holds the target's own tensor, not a copy.
+    `target`: the loaded target, when `path` is its draft: a draft that shares its embeddings
+    (config.json's `shares_target_embeddings`) then holds the target's own tensor, not a copy,
+    and a quantized draft's LM head is quantized too (quant.quantize_model).
     """
     path = Path(path)
     registered_shard, registered_stage = shard_for_checkpoint(path)
@@ -156,7 +157,8 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto",
         shard, stage = registered_shard, stage or registered_stage
     stage = stage or WHOLE_MODEL
     if is_gguf(path):
-        model = _load_gguf(path, dtype, device, quantization, shard, stage)
+        model = _load_gguf(path, dtype, device, quantization, shard, stage,
+                           quantize_head=target is not None)
     else:
         model = _load_hf(path, dtype, device, quantization, shard, target, stage)
     move_to_huge_pages(model)  # a CPU model's weights: see huge_pages.py
@@ -203,7 +205,7 @@ def _load_hf(path: Path, dtype: str | torch.dtype, device: str | torch.device,
         _share_embeddings(model, target, path)
         loaded.add(("embed_tokens.weight", 0))
     _check_complete(model, loaded, path)
-    return quantize_model(model, quantization).to(device).eval()
+    return quantize_model(model, quantization, head=target is not None).to(device).eval()
 
 
 def _check_reads_target_hidden(spec: ArchSpec, target: DecoderLM | None, shard: TPShard,
@@ -232,7 +234,8 @@ def _share_embeddings(draft: DecoderLM, target: DecoderLM, path: Path) -> None:
 
 
 def _load_gguf(path: Path, dtype: str | torch.dtype, device: str | torch.device,
-               quantization: str | None, shard: TPShard, stage: PipelineStage) -> DecoderLM:
+               quantization: str | None, shard: TPShard, stage: PipelineStage,
+               quantize_head: bool) -> DecoderLM:
     """A GGUF's tensors are read whole and dequantized, then each rank keeps its slice (the
     file's blocks have no lazy slicing); Q8_0 / Q4_0 / Q4_1 projections then take this rank's
     rows or block columns of the file's blocks. A pipeline stage reads only its own tensors."""
@@ -257,7 +260,7 @@ def _load_gguf(path: Path, dtype: str | torch.dtype, device: str | torch.device,
         use_file_blocks(model, _stage_tensors(ckpt.tensors, model) if stage.is_split
                         else ckpt.tensors)
     else:
-        quantize_model(model, quantization)
+        quantize_model(model, quantization, head=quantize_head)
     return model.to(device).eval()
 
 

@@ -113,13 +113,37 @@ def _row_group(qweight: QuantizedWeight) -> int:
     return cpu_row_order(qweight.shape[0]) if qweight.blocks.device.type == "cpu" else 1
 
 
-def quantize_model(model: nn.Module, quantization: str | None) -> nn.Module:
+def draft_quantization(target: nn.Module, requested: str | None) -> str | None:
+    """The quantization a draft loads with: `requested` (EngineConfig's, the target's unless
+    asked otherwise; "none" keeps it unquantized), or "int8" when nothing was asked and the
+    target runs on a GGUF's own quantized blocks. A draft forward reads its weights from memory
+    each step, as the target's does, right after the target's forward has pushed them out of
+    the cache; its Q8_0 blocks are half its bf16 bytes. The target verifies every drafted
+    token, so this changes what the draft proposes, never the output."""
+    if requested is not None:
+        return requested
+    runs_on_blocks = any(isinstance(m, (QuantizedLinear, QuantizedParts))
+                         for m in target.modules())
+    return "int8" if runs_on_blocks else None
+
+
+def quantize_model(model: nn.Module, quantization: str | None, head: bool = False
+                   ) -> nn.Module:
     """Replace every tensor-parallel linear of model by its quantized form (in place); each rank
-    quantizes its own slice (`loader` checks that a row-parallel slice holds whole blocks)."""
+    quantizes its own slice (`loader` checks that a row-parallel slice holds whole blocks).
+
+    `head`: the LM head's logits are computed on blocks of the same format too (its rows of
+    this rank's vocabulary, as a GGUF's quantized head is), for a draft: a target keeps its
+    head in the checkpoint's dtype, since its logits decide every greedy token, but a draft's
+    only propose tokens, and its head is the largest tensor a draft step reads."""
 
     fmt = resolve_quantization(quantization)
     if fmt is None:
         return model
+    if head:
+        lm_head = model.embed_tokens if model.lm_head is None else model.lm_head
+        lm_head.file_head = QuantizedLinear(quantize(lm_head.weight.data, quant_format(fmt)),
+                                            None)
     targets = [(name, module) for name, module in model.named_modules()
                if isinstance(module, (ColumnParallelLinear, RowParallelLinear))]
     for name, module in targets:

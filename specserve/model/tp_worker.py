@@ -59,6 +59,7 @@ from ..distributed import (
 from ..pipeline.link import StageLink
 from .architectures import DecoderLM
 from .loader import load_model
+from .quant import draft_quantization
 from .runner import Command, ModelRunner, StepInputs
 
 log = logging.getLogger("specserve.tp")
@@ -281,7 +282,8 @@ def run_worker(rank: int, spec: ModelsSpec, addr: str | None, port: int | None,
                                      spec.shard(rank, TARGET), stage=stage)}
         if spec.draft_split and stage.is_first:
             models[DRAFT] = load_model(spec.draft, spec.dtype, spec.device,
-                                       spec.draft_quantization, spec.shard(rank, DRAFT))
+                                       draft_quantization(models[TARGET], spec.draft_quantization),
+                                       spec.shard(rank, DRAFT), target=models[TARGET])
         if spec.device.startswith("cpu"):
             from ..kernels import cpu_build
             cpu_build.library()

@@ -132,6 +132,48 @@ def test_draft_quantization_defaults_to_the_targets(tiny_target, tiny_draft):
     assert formats(llm.engine.target) == {"Q8_0"} and formats(llm.engine.draft) == set()
 
 
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_a_quantized_drafts_head_computes_on_blocks(tiny_target, tiny_draft, quantization):
+    """A draft loaded for its target quantizes its LM head too (the target keeps its own dense:
+    its logits decide the output): the logits are the quantized kernel's product with the
+    head's blocks, within quantization's tolerance of the dense head's."""
+    from specserve.kernels.quant import quant_linear
+    from specserve.kernels.quant_reference import quantize
+
+    target = load_model(tiny_target, dtype="float32", quantization=quantization)
+    assert target.embed_tokens.file_head is None and target.lm_head.file_head is None
+    dense = load_model(tiny_draft, dtype="float32")
+    draft = load_model(tiny_draft, dtype="float32", quantization=quantization, target=target)
+    fmt = resolve_quantization(quantization)
+    assert draft.lm_head.file_head.qweight.fmt.name == fmt
+    hidden = torch.randn(5, 64, generator=torch.Generator().manual_seed(2))
+    got = draft.compute_logits(hidden)  # [5, vocab]
+    assert torch.equal(got, quant_linear(hidden, quantize(dense.lm_head.weight.data, fmt)))
+    want = dense.compute_logits(hidden)
+    diff = (got - want).abs() / want.std()
+    mean_tol, max_tol = REL_TOL[quantization]
+    assert 0 < float(diff.mean()) < mean_tol and float(diff.max()) < max_tol, diff
+
+
+def test_a_draft_of_a_target_on_gguf_blocks_defaults_to_int8(tiny_target, tiny_draft):
+    """Nothing asked: a draft follows its target's quantization, and runs in int8 (head
+    included) beside a target on a GGUF's quantized blocks; "none" keeps it dense, and a
+    named quantization is kept as named."""
+    from specserve.model.quant import draft_quantization, use_file_blocks
+
+    dense_target = load_model(tiny_target, dtype="float32")
+    assert draft_quantization(dense_target, None) is None
+    on_blocks = load_model(tiny_target, dtype="float32")
+    use_file_blocks(on_blocks, _gguf_like_tensors(tiny_target, "Q4_1"))
+    assert draft_quantization(on_blocks, None) == "int8"
+    assert draft_quantization(on_blocks, "none") == "none"
+    assert draft_quantization(on_blocks, "int4") == "int4"
+    draft = load_model(tiny_draft, dtype="float32",
+                       quantization=draft_quantization(on_blocks, None), target=on_blocks)
+    formats = {m.qweight.fmt.name for m in draft.modules() if isinstance(m, QuantizedLinear)}
+    assert formats == {"Q8_0"} and draft.lm_head.file_head is not None
+
+
 def test_unknown_quantization_is_named(tiny_target):
     with pytest.raises(ValueError, match="'int3'"):
         LLM(tiny_target, quantization="int3")
