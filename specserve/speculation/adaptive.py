@@ -17,10 +17,13 @@ catch-up forward that yields depth 1 also carries other requests' prompt chunks 
 tokens, which would inflate it); a chain of k runs about k draft forwards, the catch-up among
 them. Estimates are exponentially weighted, so a request whose text turns predictable (code,
 quotes) lengthens its chain and one that wanders shortens it. A request that stopped
-speculating probes with one token every PROBE_EVERY steps so it can notice when drafting pays
-again. The engine's estimates start from what was measured of the draft where that was saved
-beside it (`acceptance.json`, see `acceptance_prior`), so a weak draft is not tried at length
-on the first requests and a strong one is used at once; else from PRIOR_ACCEPTANCE.
+speculating probes with one token after PROBE_EVERY steps so it can notice when drafting pays
+again; each probe rejected doubles its wait (up to MAX_PROBE_EVERY steps), and one accepted
+resets it, so a draft that rarely agrees costs next to nothing (a probe's catch-up draft forward
+and its extra verified row cost about half a target forward on a small CPU model). The
+engine's estimates start from what was measured of the draft where that was saved beside it
+(`acceptance.json`, see `acceptance_prior`), so a weak draft is not tried at length on the
+first requests and a strong one is used at once; else from PRIOR_ACCEPTANCE.
 
 The choice is a pure function of state that changes only after verification, so the scheduler
 (which reserves KV slots) and the proposer (which drafts) see the same mode within a step.
@@ -39,6 +42,7 @@ PRIOR_ACCEPTANCE = 0.6  # before anything is measured: optimistic enough to try 
 PRIOR_FILE = "acceptance.json"  # in a draft's folder: {"acceptance_per_depth": [a_1, ...]}
 DECAY = 0.8  # weight of the old estimate per observation
 PROBE_EVERY = 16
+MAX_PROBE_EVERY = 256
 MAX_FIT_ROWS = 64  # target forwards with more query rows (prompt chunks) stay out of the fit
 FIT_DECAY = 0.95
 
@@ -47,6 +51,7 @@ FIT_DECAY = 0.95
 class _RequestState:
     acceptance: list[float]  # a_1 .. a_MAX_CHAIN
     steps_off: int = 0
+    probe_every: int = PROBE_EVERY  # steps off before the next probe
 
 
 @dataclass
@@ -63,7 +68,7 @@ class AdaptiveController:
         """The mode a request runs this step: `chain:k` or off."""
         state = self._state(request_id)
         k = best_chain_length(state.acceptance, self._cost_ratio())
-        if k == 0 and state.steps_off >= PROBE_EVERY:
+        if k == 0 and state.steps_off >= state.probe_every:
             k = 1
         return SpecMode(SpecKind.CHAIN, k) if k else OFF
 
@@ -85,6 +90,9 @@ class AdaptiveController:
         if chain_length == 0:
             state.steps_off += 1
             return
+        if state.steps_off >= state.probe_every:  # this chain was a probe
+            state.probe_every = (PROBE_EVERY if num_accepted
+                                 else min(2 * state.probe_every, MAX_PROBE_EVERY))
         state.steps_off = 0
         tried = min(chain_length, num_accepted + 1)
         for depth in range(tried):

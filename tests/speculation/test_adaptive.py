@@ -9,6 +9,7 @@ import pytest
 from specserve import LLM, SamplingParams
 from specserve.speculation.adaptive import (
     MAX_CHAIN,
+    MAX_PROBE_EVERY,
     PRIOR_ACCEPTANCE,
     PRIOR_FILE,
     PROBE_EVERY,
@@ -48,6 +49,29 @@ def test_controller_lengthens_on_acceptance_and_stops_on_rejection_then_probes()
     assert ctl.mode_for("b").num_tokens == 1  # a probe after PROBE_EVERY steps off
     ctl.forget("b")
     assert "b" not in ctl._requests
+
+
+def _steps_to_next_probe(ctl: AdaptiveController, rid: str) -> int:
+    steps = 0
+    while not ctl.mode_for(rid).enabled:
+        ctl.observe_verdict(rid, 0, 0)
+        steps += 1
+    return steps
+
+
+def test_rejected_probes_back_off_and_an_accepted_one_resets():
+    ctl = AdaptiveController(engine_acceptance=[0.05] * MAX_CHAIN)  # a draft that rarely agrees
+    ctl.observe_step(target_time_s=0.010, target_rows=1, levels_time_s=0.003, draft_levels=1)
+    waits = []
+    for _ in range(6):
+        waits.append(_steps_to_next_probe(ctl, "b"))
+        ctl.observe_verdict("b", 1, 0)  # the probe is rejected
+    assert waits == [PROBE_EVERY, 2 * PROBE_EVERY, 4 * PROBE_EVERY, 8 * PROBE_EVERY,
+                     MAX_PROBE_EVERY, MAX_PROBE_EVERY]
+    assert _steps_to_next_probe(ctl, "b") == MAX_PROBE_EVERY
+    ctl.observe_verdict("b", 1, 1)  # accepted: probing at the first interval again
+    state = ctl._requests["b"]
+    assert state.probe_every == PROBE_EVERY and state.steps_off == 0
 
 
 def test_adaptive_with_a_copy_draft_grows_its_chain(tiny_target):
