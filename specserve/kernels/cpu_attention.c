@@ -20,17 +20,18 @@
  *
  * One work item is one (request, block of up to ROW_BLOCK of its new rows, KV head): the K and V
  * rows those rows may see are widened to fp32 once and read by every row of the block and the
- * KV head's `group` query heads (grouped-query attention), and each head's
- * weighted sum of V takes one pass over the positions (V_CHUNK output vectors in registers).
- * Every score and output value is summed in the same order as one head at a time, dimension
- * by dimension, would sum it. 2-core Zen 3, AVX2, the widened model's heads (16 query, 2 KV,
- * 64 dims), one thread per layer: a 512-token prompt 57 -> 29 ms, a 5-token verify over 300
- * cached positions 1.02 -> 0.33 ms. The softmax's exponentials are cpu_exp.h's, vectorized
+ * KV head's `group` query heads (grouped-query attention), up to HEADS_PER_PASS of those heads
+ * at a time sharing every K and V row load (attend_heads_n). Every score and output value is
+ * summed in the same order as one head at a time, dimension by dimension, would sum it. 2-core
+ * Zen 3, AVX2, the widened model's heads (16 query, 2 KV, 64 dims), one thread per layer: a
+ * 512-token prompt 57 -> 29 ms, a 5-token verify over 300 cached positions 1.02 -> 0.33 ms. The softmax's exponentials are cpu_exp.h's, vectorized
  * (libm's expf took a quarter of the time left); q.k runs DOTS positions at a time (one
  * position's dot is a chain of dependent multiply-adds); fp32 K and V rows are read in place.
  * Against the kernel before these three changes, one run: a decode step over 100 positions,
  * SmolLM2's heads (9 query, 3 KV, fp32) 23 -> 14 us, the widened model's 28 -> 19 us; a 5-row
- * chain 84 -> 46 and 110 -> 61 us.
+ * chain 84 -> 46 and 110 -> 61 us. Heads attended together (Zen 5, AVX-512, fp32, bits
+ * unchanged), one call from Python, 2 threads: SmolLM2's heads over 2000 positions 95 -> 64 us,
+ * 5 rows over 500 positions 84 -> 60 us; the widened model's 122 -> 70 and 116 -> 72 us.
  */
 #include <math.h>
 #include <stdint.h>
@@ -45,7 +46,6 @@
  * SmolLM2's 9 heads (58K) runs 22 -> 19 us on both threads, the widened model's 16 heads 37 ->
  * 26 us (the product kernels keep the other thread awake between layers). */
 #define PARALLEL_MIN_MACS (1 << 15)
-#define V_CHUNK 8                   /* output vectors accumulated in registers per pass over V */
 /* New rows of a request per work item: they share one widening of their KV head's bf16 rows
  * (a 5-row verify widened the same cached positions five times), and a prompt chunk still
  * splits into enough items for every thread. The widened model's heads, against one row per
@@ -71,66 +71,132 @@ static inline void widen(const void *src, int is_f32, float *dst, int64_t D) {
     for (int64_t d = 0; d < D; d += VF) vf_store(dst + d, vf_load_bf16(bf + d));
 }
 
-/* dot_f32 of a with each of the DOTS rows b[0..DOTS), each summed exactly as dot_f32 sums it:
- * independent multiply-add chains, so one position's latency no longer bounds the scores (a
- * decode step's q.k was latency-bound: 8 dependent multiply-adds per position). */
+/* Positions whose q.k run side by side: independent multiply-add chains, each summed exactly
+ * as dot_f32 sums it (a decode step's q.k was latency-bound: 8 dependent multiply-adds per
+ * position). */
 #define DOTS 4
-static inline void dot_f32_rows(const float *a, const float *const *b, int64_t D,
-                                float out[DOTS]) {
-    vf acc[DOTS];
-    for (int r = 0; r < DOTS; r++) acc[r] = vf_zero();
-    for (int64_t d = 0; d < D; d += VF) {
-        const vf av = vf_load(a + d);
-#pragma GCC unroll 4
-        for (int r = 0; r < DOTS; r++) acc[r] = vf_fmadd(av, vf_load(b[r] + d), acc[r]);
-    }
-    for (int r = 0; r < DOTS; r++) out[r] = vf_reduce_add(acc[r]);
-}
 
-/* One query head over n visible positions: k_rows, v_rows [n] pointers to their D fp32 values
- * (in the cache itself for fp32, widened copies for bf16), qf [D] fp32; scores [n] scratch;
- * out [D] bf16, or fp32 when is_f32. */
-static void attend_head(const float *qf, const float *const *k_rows, const float *const *v_rows,
-                        int64_t n, int64_t D, float scale, float *scores, void *out,
-                        int is_f32) {
+/* Query heads of one KV head attended together (grouped-query attention): HEADS_PER_PASS at a
+ * time share each K and V row load, and their independent chains interleave. One head alone is
+ * latency-bound at head_dim 64: its q.k is 4 dependent multiply-adds per position, its running
+ * total one dependent add per position, each weighted-sum lane one multiply-add per position.
+ * Registers: HEADS_PER_PASS * DOTS score accumulators, HEADS_PER_PASS * PV_CHUNK output ones. */
+#define HEADS_PER_PASS 4 /* also on AVX2: 2 there ran slower at 2000 positions (106 vs 87 us) */
+#define PV_CHUNK 4 /* output vectors per head accumulated in registers per pass over V */
+
+/* hp <= HEADS_PER_PASS query heads over the same n visible positions: k_rows, v_rows [n]
+ * pointers to their D fp32 values (in the cache itself for fp32, widened copies for bf16),
+ * qf [hp][D] fp32; scores [hp][stride] scratch (stride >= n); outs[h] [D] bf16, or fp32 when
+ * is_f32. Each head's scores, softmax and output are computed exactly as for that head alone:
+ * every value by the same operations in the same order (q.k over D in VF-lane steps then
+ * halves added pairwise; the total over positions in order; probabilities normalised before
+ * the weighted sum; each output value summed over positions in order). Inlined with a
+ * constant hp, so the per-head arrays below live in registers. */
+SIMD_INLINE void attend_heads_n(const int hp, const float *qf, const float *const *k_rows,
+                                const float *const *v_rows, int64_t n, int64_t D, float scale,
+                                float *scores, int64_t stride, void *const *outs, int is_f32) {
     int64_t s = 0;
     for (; s + DOTS <= n; s += DOTS) {
-        float dots[DOTS];
-        dot_f32_rows(qf, k_rows + s, D, dots);
-        for (int r = 0; r < DOTS; r++) scores[s + r] = dots[r] * scale;
-    }
-    for (; s < n; s++) scores[s] = dot_f32(qf, k_rows[s], D) * scale;
-    float best = -INFINITY;
-    for (s = 0; s < n; s++) best = scores[s] > best ? scores[s] : best;
-    for (s = 0; s < n; s++) scores[s] = exp_f32(scores[s] - best); /* vectorized */
-    float total = 0.0f;
-    for (s = 0; s < n; s++) total += scores[s];
-    /* Probabilities first, then their weighted sum, as the reference computes them. */
-    const float inv_total = 1.0f / total;
-    for (s = 0; s < n; s++) scores[s] *= inv_total;
-
-    /* Weighted sum of V: one pass over the positions per V_CHUNK output vectors, each output
-     * value summed over the positions in order. */
-    for (int64_t d0 = 0; d0 < D; d0 += V_CHUNK * VF) {
-        const int chunk = D - d0 < V_CHUNK * VF ? (int)((D - d0) / VF) : V_CHUNK;
-        vf acc[V_CHUNK];
-        for (int c = 0; c < V_CHUNK; c++) acc[c] = vf_zero();
-        for (s = 0; s < n; s++) {
-            const vf p = vf_set1(scores[s]);
-            const float *vv = v_rows[s] + d0;
-            if (chunk == V_CHUNK) {
-#pragma GCC unroll 8
-                for (int c = 0; c < V_CHUNK; c++) acc[c] = vf_fmadd(p, vf_load(vv + c * VF), acc[c]);
-            } else {
-                for (int c = 0; c < chunk; c++) acc[c] = vf_fmadd(p, vf_load(vv + c * VF), acc[c]);
+        vf acc[HEADS_PER_PASS][DOTS];
+#pragma GCC unroll 4
+        for (int h = 0; h < hp; h++)
+#pragma GCC unroll 4
+            for (int r = 0; r < DOTS; r++) acc[h][r] = vf_zero();
+        for (int64_t d = 0; d < D; d += VF) {
+            vf kv[DOTS];
+#pragma GCC unroll 4
+            for (int r = 0; r < DOTS; r++) kv[r] = vf_load(k_rows[s + r] + d);
+#pragma GCC unroll 4
+            for (int h = 0; h < hp; h++) {
+                const vf qv = vf_load(qf + h * D + d);
+#pragma GCC unroll 4
+                for (int r = 0; r < DOTS; r++) acc[h][r] = vf_fmadd(qv, kv[r], acc[h][r]);
             }
         }
-        for (int c = 0; c < chunk; c++) {
-            if (is_f32)
-                vf_store((float *)out + d0 + c * VF, acc[c]);
-            else
-                vf_store_bf16((uint16_t *)out + d0 + c * VF, acc[c]);
+#pragma GCC unroll 4
+        for (int h = 0; h < hp; h++)
+#pragma GCC unroll 4
+            for (int r = 0; r < DOTS; r++)
+                scores[h * stride + s + r] = vf_reduce_add(acc[h][r]) * scale;
+    }
+    for (; s < n; s++)
+#pragma GCC unroll 4
+        for (int h = 0; h < hp; h++)
+            scores[h * stride + s] = dot_f32(qf + h * D, k_rows[s], D) * scale;
+
+    float best[HEADS_PER_PASS], total[HEADS_PER_PASS];
+#pragma GCC unroll 4
+    for (int h = 0; h < hp; h++) best[h] = -INFINITY, total[h] = 0.0f;
+    for (s = 0; s < n; s++)
+#pragma GCC unroll 4
+        for (int h = 0; h < hp; h++) {
+            const float x = scores[h * stride + s];
+            best[h] = x > best[h] ? x : best[h];
         }
+    for (int h = 0; h < hp; h++) {
+        float *sc = scores + h * stride;
+        for (s = 0; s < n; s++) sc[s] = exp_f32(sc[s] - best[h]); /* vectorized */
+    }
+    for (s = 0; s < n; s++)
+#pragma GCC unroll 4
+        for (int h = 0; h < hp; h++) total[h] += scores[h * stride + s];
+    /* Probabilities first, then their weighted sum, as the reference computes them. */
+    for (int h = 0; h < hp; h++) {
+        const float inv_total = 1.0f / total[h];
+        float *sc = scores + h * stride;
+        for (s = 0; s < n; s++) sc[s] *= inv_total;
+    }
+
+    /* Weighted sum of V: one pass over the positions per PV_CHUNK output vectors of every
+     * head, each output value summed over the positions in order. */
+    for (int64_t d0 = 0; d0 < D; d0 += PV_CHUNK * VF) {
+        const int chunk = D - d0 < PV_CHUNK * VF ? (int)((D - d0) / VF) : PV_CHUNK;
+        vf acc[HEADS_PER_PASS][PV_CHUNK];
+#pragma GCC unroll 4
+        for (int h = 0; h < hp; h++)
+#pragma GCC unroll 4
+            for (int c = 0; c < PV_CHUNK; c++) acc[h][c] = vf_zero();
+        for (s = 0; s < n; s++) {
+            const float *vv = v_rows[s] + d0;
+            if (chunk == PV_CHUNK) {
+                vf v[PV_CHUNK];
+#pragma GCC unroll 4
+                for (int c = 0; c < PV_CHUNK; c++) v[c] = vf_load(vv + c * VF);
+#pragma GCC unroll 4
+                for (int h = 0; h < hp; h++) {
+                    const vf p = vf_set1(scores[h * stride + s]);
+#pragma GCC unroll 4
+                    for (int c = 0; c < PV_CHUNK; c++) acc[h][c] = vf_fmadd(p, v[c], acc[h][c]);
+                }
+            } else {
+#pragma GCC unroll 4
+                for (int h = 0; h < hp; h++) {
+                    const vf p = vf_set1(scores[h * stride + s]);
+                    for (int c = 0; c < chunk; c++)
+                        acc[h][c] = vf_fmadd(p, vf_load(vv + c * VF), acc[h][c]);
+                }
+            }
+        }
+#pragma GCC unroll 4
+        for (int h = 0; h < hp; h++)
+            for (int c = 0; c < chunk; c++) {
+                if (is_f32)
+                    vf_store((float *)outs[h] + d0 + c * VF, acc[h][c]);
+                else
+                    vf_store_bf16((uint16_t *)outs[h] + d0 + c * VF, acc[h][c]);
+            }
+    }
+}
+
+/* attend_heads_n with hp made a constant for each count. */
+static void attend_heads(int hp, const float *qf, const float *const *k_rows,
+                         const float *const *v_rows, int64_t n, int64_t D, float scale,
+                         float *scores, int64_t stride, void *const *outs, int is_f32) {
+    switch (hp) {
+    case 1: attend_heads_n(1, qf, k_rows, v_rows, n, D, scale, scores, stride, outs, is_f32); break;
+    case 2: attend_heads_n(2, qf, k_rows, v_rows, n, D, scale, scores, stride, outs, is_f32); break;
+    case 3: attend_heads_n(3, qf, k_rows, v_rows, n, D, scale, scores, stride, outs, is_f32); break;
+    case 4: attend_heads_n(4, qf, k_rows, v_rows, n, D, scale, scores, stride, outs, is_f32); break;
     }
 }
 
@@ -180,7 +246,7 @@ int paged_attention(const void *q, const void *k_cache, const void *v_cache, int
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) if (parallel)
     {
-        float *scores = malloc(sizeof(float) * (size_t)max_len);
+        float *scores = malloc(sizeof(float) * HEADS_PER_PASS * (size_t)max_len);
         /* The visible K and V rows of one query row for the KV head's `group` query heads:
          * fp32 rows where they lie in the cache, bf16 rows widened to fp32 (kf, vf_copy, by
          * position) once per work item, for all its rows. */
@@ -189,7 +255,7 @@ int paged_attention(const void *q, const void *k_cache, const void *v_cache, int
         const size_t copy_bytes = ((size_t)max_len * D * sizeof(float) + 63) / 64 * 64;
         float *kf = is_f32 ? NULL : aligned_alloc(64, copy_bytes);
         float *vf_copy = is_f32 ? NULL : aligned_alloc(64, copy_bytes);
-        float *qf = aligned_alloc(64, ((size_t)D * sizeof(float) + 63) / 64 * 64);
+        float *qf = aligned_alloc(64, (HEADS_PER_PASS * (size_t)D * sizeof(float) + 63) / 64 * 64);
         const int ok = scores && k_rows && v_rows && (is_f32 || (kf && vf_copy)) && qf;
         if (!ok) {
 #pragma omp atomic write
@@ -255,12 +321,17 @@ int paged_attention(const void *q, const void *k_cache, const void *v_cache, int
                     }
                     n++;
                 }
-                for (int64_t g = 0; g < group; g++) {
-                    const int64_t h = kv_head * group + g;
-                    const int64_t row = (t * num_q_heads + h) * D;
-                    widen(qb + row * elem, is_f32, qf, D);
-                    attend_head(qf, k_rows, v_rows, n, D, scale, scores, ob + row * elem,
-                                is_f32);
+                for (int64_t g0 = 0; g0 < group; g0 += HEADS_PER_PASS) {
+                    const int hp = group - g0 < HEADS_PER_PASS ? (int)(group - g0)
+                                                               : HEADS_PER_PASS;
+                    void *outs[HEADS_PER_PASS];
+                    for (int j = 0; j < hp; j++) {
+                        const int64_t row = (t * num_q_heads + kv_head * group + g0 + j) * D;
+                        widen(qb + row * elem, is_f32, qf + j * D, D);
+                        outs[j] = ob + row * elem;
+                    }
+                    attend_heads(hp, qf, k_rows, v_rows, n, D, scale, scores, max_len, outs,
+                                 is_f32);
                 }
             }
         }
