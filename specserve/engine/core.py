@@ -182,13 +182,21 @@ class EngineCore:
         """The mode a request runs this step (adaptive resolves to a chain length or off;
         suffix+MODE to suffix where the text occurred before, else to MODE)."""
         mode = self._configured_mode(req)
-        if mode.kind is SpecKind.SUFFIX:
-            match = self.suffix.lookup(req.request_id, req.all_token_ids)
-            if mode.fallback is None:
-                return mode if match.match_length else OFF
-            if match.beats_a_draft(mode.num_tokens):
-                return replace(mode, fallback=None)
-            mode = mode.fallback
+        if mode.kind is not SpecKind.SUFFIX:
+            return self._resolved(req, mode)
+        match = self.suffix.lookup(req.request_id, req.all_token_ids)
+        if mode.fallback is None:
+            return mode if match.match_length else OFF
+        if match.beats_a_draft(mode.num_tokens):
+            return replace(mode, fallback=None)
+        fallback = self._resolved(req, mode.fallback)
+        # Where the draft would not draft this step (adaptive found it does not pay), any
+        # match is better than nothing: it costs only its verified rows, as `suffix` alone.
+        if not fallback.enabled and match.match_length:
+            return replace(mode, fallback=None)
+        return fallback
+
+    def _resolved(self, req: Request, mode: SpecMode) -> SpecMode:
         return self.adaptive.mode_for(req.request_id) if mode.is_adaptive else mode
 
     def _proposer_for(self, mode: SpecMode) -> Proposer | None:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import given, settings
@@ -11,6 +12,8 @@ from hypothesis import strategies as st
 
 from specserve import LLM, SamplingParams
 from specserve.speculation import suffix
+from specserve.speculation.adaptive import MAX_CHAIN
+from specserve.speculation.modes import SpecKind
 from specserve.speculation.suffix import SuffixMatch, SuffixProposer, SuffixStore
 from specserve.speculation.tree import children_lists
 
@@ -125,3 +128,24 @@ def test_suffix_beside_the_draft_uses_the_store_only_where_text_repeats(tiny_tar
     assert first.token_ids == again.token_ids
     # chain:2 alone commits at most 3 tokens a step; drafting from the store beats that.
     assert first.metrics["acceptance_length"] <= 3.0 < again.metrics["acceptance_length"]
+
+
+def test_beside_a_draft_that_does_not_pay_any_match_drafts(tiny_target, tiny_draft):
+    """suffix+adaptive: a short match loses to a draft that is drafting, but where adaptive
+    has stopped drafting (its draft does not pay) the store's guess costs only its verified
+    rows, so it is used, as `suffix` alone would; no match runs the fallback's choice."""
+    engine = LLM(tiny_target, tiny_draft, speculation="suffix+adaptive").engine
+    engine.suffix.finish("earlier", [5, 6, 7, 8, 9, 10, 11, 12])
+    short = SimpleNamespace(request_id="r", all_token_ids=[1, 2, 7, 8], speculation=None)
+    alone = SimpleNamespace(request_id="s", all_token_ids=[1, 2, 3], speculation=None)
+    assert 0 < engine.suffix.lookup("r", short.all_token_ids).match_length < suffix.HYBRID_MIN_MATCH
+
+    engine.adaptive.engine_acceptance = [0.0] * MAX_CHAIN  # new requests: nothing accepted
+    assert engine._mode(short).kind is SpecKind.SUFFIX
+    assert not engine._mode(alone).enabled
+
+    paying = LLM(tiny_target, tiny_draft, speculation="suffix+adaptive").engine
+    paying.suffix.finish("earlier", [5, 6, 7, 8, 9, 10, 11, 12])
+    paying.adaptive.engine_acceptance = [0.95] * MAX_CHAIN
+    paying.adaptive.target_time_s, paying.adaptive.draft_level_time_s = 1.0, 0.05
+    assert paying._mode(short).kind is SpecKind.CHAIN
