@@ -24,9 +24,10 @@
  * at a time sharing every K and V row load (attend_heads_n). Every score and output value is
  * summed in the same order as one head at a time, dimension by dimension, would sum it. 2-core
  * Zen 3, AVX2, the widened model's heads (16 query, 2 KV, 64 dims), one thread per layer: a
- * 512-token prompt 57 -> 29 ms, a 5-token verify over 300 cached positions 1.02 -> 0.33 ms. The softmax's exponentials are cpu_exp.h's, vectorized
- * (libm's expf took a quarter of the time left); q.k runs DOTS positions at a time (one
- * position's dot is a chain of dependent multiply-adds); fp32 K and V rows are read in place.
+ * 512-token prompt 57 -> 29 ms, a 5-token verify over 300 cached positions 1.02 -> 0.33 ms.
+ * The softmax's exponentials are cpu_exp.h's, vectorized (libm's expf took a quarter of the
+ * time left); q.k runs DOTS positions at a time (one position's dot is a chain of dependent
+ * multiply-adds); fp32 K and V rows are read in place.
  * Against the kernel before these three changes, one run: a decode step over 100 positions,
  * SmolLM2's heads (9 query, 3 KV, fp32) 23 -> 14 us, the widened model's 28 -> 19 us; a 5-row
  * chain 84 -> 46 and 110 -> 61 us. Heads attended together (Zen 5, AVX-512, fp32, bits
