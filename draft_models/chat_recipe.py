@@ -50,10 +50,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=1, help="decoder layers of the draft")
     p.add_argument("--init-layers", default="0", help="target layers the draft's layers start "
                    "from (comma-separated; empty: random)")
+    p.add_argument("--init-draft", help="start from this saved draft folder (its head's "
+                   "tokens, layers and fc; --head-vocab and --init-layers do not apply) instead "
+                   "of a fresh draft: training goes on from it")
     p.add_argument("--unroll", type=int, default=2, help="training passes per batch, pass i "
                    "reading the draft's own states from pass i - 1")
     p.add_argument("--cls-weight", type=float, default=0.1, help="weight of the next-token "
                    "cross-entropy beside the hidden-state regression")
+    p.add_argument("--reg-weight", type=float, default=1.0, help="weight of the hidden-state "
+                   "regression (0: the next-token loss alone)")
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-3)
@@ -74,7 +79,7 @@ def log(msg: str, start: float) -> None:
 
 def train(draft, batches, steps: int, lr: float, warmup: int, unroll: int, cls_weight: float,
           log_path: Path, start: float, checkpoint: Path | None = None,
-          save_every: int = 50) -> dict:
+          save_every: int = 50, reg_weight: float = 1.0) -> dict:
     """AdamW with warmup + cosine (train.py's schedule) on the distillation loss.
 
     With `checkpoint`, the draft's weights, the optimizer and the counters are saved there every
@@ -100,7 +105,7 @@ def train(draft, batches, steps: int, lr: float, warmup: int, unroll: int, cls_w
             for group in opt.param_groups:
                 group["lr"] = cosine_lr(step, steps, lr, warmup)
             batch = next(batches)
-            loss, agreement = eagle_loss(draft, batch, unroll, cls_weight)
+            loss, agreement = eagle_loss(draft, batch, unroll, cls_weight, reg_weight)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(draft.trainable(), 1.0)
             opt.step()
@@ -263,14 +268,20 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
     t0 = time.time()
     special = [i for i in (tokenizer.bos_token_id, eos, tokenizer.pad_token_id) if i is not None]
-    # The head's vocabulary from the training replies only: the held-out ones measure it.
-    token_ids = frequent_tokens(records[:-n_held], args.head_vocab, special)
-    init_layers = [int(x) for x in args.init_layers.split(",") if x.strip()]
-    draft = EagleDraft(target, args.layers, token_ids, init_layers)
+    if args.init_draft:
+        token_ids = EagleDraft.saved_token_ids(Path(args.init_draft))
+        draft = EagleDraft(target, args.layers, token_ids)
+        draft.load_saved(Path(args.init_draft))
+        origin = f"the draft in {args.init_draft}"
+    else:  # the head's vocabulary from the training replies only: the held-out ones measure it
+        token_ids = frequent_tokens(records[:-n_held], args.head_vocab, special)
+        init_layers = [int(x) for x in args.init_layers.split(",") if x.strip()]
+        draft = EagleDraft(target, args.layers, token_ids, init_layers)
+        origin = f"target layers {init_layers}"
     held, held_states = records[-n_held:], states[-n_held:]
     train_records, train_states = records[:-n_held], states[:-n_held]
     agreement_before = agreement(draft, held, held_states)
-    log(f"draft of {args.layers} layer(s) from target layers {init_layers}, head "
+    log(f"draft of {args.layers} layer(s) from {origin}, head "
         f"{len(token_ids)} tokens; top-1 agreement on held-out replies at depth 1..3 before "
         f"training {[round(a, 3) for a in agreement_before]}", start)
     draft.train()
@@ -283,7 +294,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     digest = hashlib.sha256(json.dumps(run_key, sort_keys=True).encode()).hexdigest()[:12]
     summary = train(draft, batches, args.steps, args.lr, args.warmup, args.unroll,
                     args.cls_weight, out / "draft_loss.csv", start,
-                    checkpoint=work / f"{data_file.stem}-train-{digest}.pt")
+                    checkpoint=work / f"{data_file.stem}-train-{digest}.pt",
+                    reg_weight=args.reg_weight)
     summary["top1_agreement_before"] = agreement_before
     summary["top1_agreement_after"] = agreement(draft, held, held_states)
     summary["vocabulary_coverage_held_out"] = vocabulary_coverage(token_ids, held)

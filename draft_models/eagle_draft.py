@@ -12,10 +12,10 @@ target's tied embedding rows of the `head_vocab_size` most frequent reply tokens
 frozen): a draft whose h equals f ranks those tokens exactly as the target does.
 
 Training is teacher forcing on target-written replies whose f the served target computed once
-(`target_states`): the loss at each reply position is smooth-L1(h_j, f_j) plus the cross-entropy
-between the target's next-token distribution over the draft's tokens and the draft's. With
-`unroll` k > 1, pass i (2..k) feeds every position the draft's own h_{j-1} from pass i - 1
-instead of f_{j-1}, as drafting does at depth i, and adds the same loss.
+(`target_states`): the loss at each reply position is smooth-L1(h_j, f_j), weighted `reg_weight`,
+plus the cross-entropy between the target's next-token distribution over the draft's tokens and
+the draft's. With `unroll` k > 1, pass i (2..k) feeds every position the draft's own h_{j-1}
+from pass i - 1 instead of f_{j-1}, as drafting does at depth i, and adds the same loss.
 
 The saved folder is a Hugging Face-style Llama checkpoint (specserve loads it with
 `model.fc.*`, `lm_head.weight`, `lm_head.token_ids`) whose config adds `reads_target_hidden`,
@@ -143,6 +143,32 @@ class EagleDraft(nn.Module):
     def trainable(self) -> list[nn.Parameter]:
         return [p for p in self.parameters() if p.requires_grad]
 
+    @staticmethod
+    def saved_token_ids(folder: Path) -> torch.Tensor:
+        """The head's token ids of a draft `save` wrote."""
+        from safetensors import safe_open
+
+        with safe_open(str(Path(folder) / "model.safetensors"), "pt") as f:
+            return f.get_tensor("lm_head.token_ids")
+
+    def load_saved(self, folder: Path) -> None:
+        """Take the trainable weights of a draft `save` wrote (its layers, norm and fc; the
+        head must be the same tokens): training goes on from a shipped draft."""
+        from safetensors.torch import load_file
+
+        saved = load_file(str(Path(folder) / "model.safetensors"))
+        if not torch.equal(saved.pop("lm_head.token_ids"), self.token_ids):
+            raise ValueError(f"{folder}: the saved draft's head has other tokens")
+        saved.pop("lm_head.weight")
+        self.fc.weight.data.copy_(saved.pop("model.fc.weight"))
+        self.fc.bias.data.copy_(saved.pop("model.fc.bias"))
+        mine = {k: v for k, v in self.model.state_dict().items() if "rotary_emb" not in k}
+        theirs = {k.removeprefix("model."): v for k, v in saved.items()}
+        if mine.keys() != theirs.keys():
+            raise ValueError(f"{folder}: the saved draft's layers differ from this one's "
+                             f"({sorted(theirs.keys() ^ mine.keys())[:4]})")
+        self.model.load_state_dict(theirs, strict=False)
+
     def save(self, out: Path, extra_config: dict, dtype: torch.dtype = torch.bfloat16) -> None:
         """Safetensors without the embeddings; config.json naming the draft's kind."""
         out.mkdir(parents=True, exist_ok=True)
@@ -191,8 +217,11 @@ def state_batches(records: Sequence[dict], states: Sequence[torch.Tensor], batch
 
 
 def eagle_loss(draft: EagleDraft, batch: tuple[torch.Tensor, ...], unroll: int,
-               cls_weight: float) -> tuple[torch.Tensor, list[float]]:
-    """The loss summed over `unroll` passes, and each pass's top-1 agreement with the target."""
+               cls_weight: float, reg_weight: float = 1.0) -> tuple[torch.Tensor, list[float]]:
+    """The loss summed over `unroll` passes, and each pass's top-1 agreement with the target.
+
+    reg_weight 0 drops the hidden-state regression (EAGLE-3's choice): h is then shaped only by
+    the next-token loss, here and through the later passes that read it."""
     ids, mask, prev, f, loss_mask = batch
     f_at = f[loss_mask]  # [P, H]
     target_p = torch.softmax(draft.logits(f_at), dim=-1)  # [P, K]: the target over K tokens
@@ -203,7 +232,7 @@ def eagle_loss(draft: EagleDraft, batch: tuple[torch.Tensor, ...], unroll: int,
         h_at = h[loss_mask]  # [P, H]
         logits = draft.logits(h_at)
         ce = -(target_p * F.log_softmax(logits, dim=-1)).sum(-1).mean()
-        total = total + F.smooth_l1_loss(h_at, f_at) + cls_weight * ce
+        total = total + reg_weight * F.smooth_l1_loss(h_at, f_at) + cls_weight * ce
         agreement.append((logits.argmax(-1) == target_top).float().mean().item())
         # The next pass reads the draft's own states, as drafting one level deeper does.
         prev = torch.cat([torch.zeros_like(h[:, :1]), h[:, :-1].detach()], dim=1)

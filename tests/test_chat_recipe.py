@@ -93,3 +93,25 @@ def test_the_prior_is_written_where_the_engine_reads_it(tmp_path):
         prior["acceptance_per_depth"] + [prior["acceptance_per_depth"][-1]] * (MAX_CHAIN - 3))
     with pytest.raises(ValueError, match="too few drafts"):
         write_acceptance_prior(tmp_path, [Output(3, [1])], "a test")
+
+
+def test_training_goes_on_from_a_saved_draft(setup, tmp_path):
+    """--init-draft: a fresh draft given a saved one's weights computes what the saved one
+    does (to bf16, the saved dtype); a draft whose head has other tokens is refused."""
+    target, records, states = setup
+    trained = fresh_draft(target)
+    train(trained, state_batches(records, states, 2, seed=0), steps=4, lr=1e-3, warmup=1,
+          unroll=1, cls_weight=0.1, log_path=None, start=0.0)
+    trained.save(tmp_path / "draft", {})
+    assert torch.equal(EagleDraft.saved_token_ids(tmp_path / "draft"), trained.token_ids)
+    again = EagleDraft(target, 1, trained.token_ids)
+    again.load_saved(tmp_path / "draft")
+    ids, mask, prev, _, _ = next(state_batches(records, states, 4, seed=1))
+    with torch.no_grad():
+        want, got = trained(ids, mask, prev), again(ids, mask, prev)
+        fresh = fresh_draft(target)(ids, mask, prev)
+    torch.testing.assert_close(got, want, rtol=0.05, atol=0.05)
+    assert (got - want).abs().max() < (fresh - want).abs().max() / 5  # not just any draft
+    other = EagleDraft(target, 1, torch.arange(4, 104))
+    with pytest.raises(ValueError, match="other tokens"):
+        other.load_saved(tmp_path / "draft")

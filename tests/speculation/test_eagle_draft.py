@@ -291,3 +291,29 @@ def test_distillation_learns_the_targets_states(pair):
     after = agreement(draft, records, states, depth=2)
     assert sum(losses[-5:]) < 2 / 3 * sum(losses[:5])
     assert after[0] > before[0] + 0.2, (before, after)  # the training replies: it fits them
+
+
+def test_loss_weights_scale_their_own_terms(pair):
+    """reg_weight scales the hidden-state regression alone, cls_weight the next-token loss
+    alone; with reg_weight 0 the loss is the cross-entropy against the target's distribution."""
+    target_dir, _ = pair
+    target = hf(target_dir)
+    g = torch.Generator().manual_seed(1)
+    records = [{"prompt_ids": torch.randint(3, VOCAB, (5,), generator=g).tolist(),
+                "reply_ids": torch.randint(3, VOCAB, (7,), generator=g).tolist()}
+               for _ in range(4)]
+    states = target_states(target_dir, records, log=lambda m: None)
+    torch.manual_seed(0)
+    draft = EagleDraft(target, 1, HEAD_IDS, (0,))
+    batch = next(state_batches(records, states, 4, seed=0))
+    with torch.no_grad():
+        both, _ = eagle_loss(draft, batch, unroll=1, cls_weight=0.3, reg_weight=2.0)
+        reg_only, _ = eagle_loss(draft, batch, unroll=1, cls_weight=0.0, reg_weight=1.0)
+        cls_only, _ = eagle_loss(draft, batch, unroll=1, cls_weight=1.0, reg_weight=0.0)
+        ids, mask, prev, f, loss_mask = batch
+        h = draft(ids, mask, prev)[loss_mask]
+        want_p = torch.softmax(draft.logits(f[loss_mask]), dim=-1)
+        ce = -(want_p * torch.log_softmax(draft.logits(h), dim=-1)).sum(-1).mean()
+    assert reg_only > 0 and cls_only > 0
+    torch.testing.assert_close(cls_only, ce)
+    torch.testing.assert_close(both, 2.0 * reg_only + 0.3 * cls_only)
