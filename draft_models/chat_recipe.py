@@ -50,6 +50,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=1, help="decoder layers of the draft")
     p.add_argument("--init-layers", default="0", help="target layers the draft's layers start "
                    "from (comma-separated; empty: random)")
+    p.add_argument("--feature-layers", default="", help="target layers whose outputs the "
+                   "draft reads beside the final state (comma-separated, e.g. 2,15: EAGLE-3's "
+                   "low / mid / high fusion; empty: the final state alone)")
     p.add_argument("--init-draft", help="start from this saved draft folder (its head's "
                    "tokens, layers and fc; --head-vocab and --init-layers do not apply) instead "
                    "of a fresh draft: training goes on from it")
@@ -263,20 +266,22 @@ def main(argv: Sequence[str] | None = None) -> dict:
     log(f"{len(records)} replies, {reply_tokens} reply tokens", start)
 
     t0 = time.time()
-    states = target_states(target_path, records, cache=work, log=lambda m: log(m, start))
+    feature_layers = [int(x) for x in args.feature_layers.split(",") if x.strip()]
+    states = target_states(target_path, records, cache=work, log=lambda m: log(m, start),
+                           feature_layers=feature_layers)
     timings["states_s_this_run"] = time.time() - t0
 
     t0 = time.time()
     special = [i for i in (tokenizer.bos_token_id, eos, tokenizer.pad_token_id) if i is not None]
     if args.init_draft:
         token_ids = EagleDraft.saved_token_ids(Path(args.init_draft))
-        draft = EagleDraft(target, args.layers, token_ids)
+        draft = EagleDraft(target, args.layers, token_ids, feature_layers=feature_layers)
         draft.load_saved(Path(args.init_draft))
         origin = f"the draft in {args.init_draft}"
     else:  # the head's vocabulary from the training replies only: the held-out ones measure it
         token_ids = frequent_tokens(records[:-n_held], args.head_vocab, special)
         init_layers = [int(x) for x in args.init_layers.split(",") if x.strip()]
-        draft = EagleDraft(target, args.layers, token_ids, init_layers)
+        draft = EagleDraft(target, args.layers, token_ids, init_layers, feature_layers)
         origin = f"target layers {init_layers}"
     held, held_states = records[-n_held:], states[-n_held:]
     train_records, train_states = records[:-n_held], states[:-n_held]

@@ -11,6 +11,11 @@ computed yet. The input embeddings are the target's (frozen, not shipped); the h
 target's tied embedding rows of the `head_vocab_size` most frequent reply tokens (FR-Spec,
 frozen): a draft whose h equals f ranks those tokens exactly as the target does.
 
+With `feature_layers` (EAGLE-3's fusion, Li et al., 2025), f_{j-1} is replaced at depth 1 by
+fuse([f_{j-1}; u_{j-1}; v_{j-1}; ...]), where u, v, ... are the outputs of those target layers
+(RMS-scaled): low and middle layers still hold what the last layers have reduced to the next
+token. `fuse` starts as the final state alone; deeper levels read the draft's own h as before.
+
 Training is teacher forcing on target-written replies whose f the served target computed once
 (`target_states`): the loss at each reply position is smooth-L1(h_j, f_j), weighted `reg_weight`,
 plus the cross-entropy between the target's next-token distribution over the draft's tokens and
@@ -18,8 +23,9 @@ the draft's. With `unroll` k > 1, pass i (2..k) feeds every position the draft's
 from pass i - 1 instead of f_{j-1}, as drafting does at depth i, and adds the same loss.
 
 The saved folder is a Hugging Face-style Llama checkpoint (specserve loads it with
-`model.fc.*`, `lm_head.weight`, `lm_head.token_ids`) whose config adds `reads_target_hidden`,
-`draft_vocab_size` and `shares_target_embeddings`.
+`model.fc.*`, `model.fuse.weight`, `lm_head.weight`, `lm_head.token_ids`) whose config adds
+`reads_target_hidden`, `draft_vocab_size`, `shares_target_embeddings` and
+`target_feature_layers`.
 """
 
 from __future__ import annotations
@@ -39,9 +45,11 @@ from torch import nn
 @torch.inference_mode()
 def target_states(target: str | Path, records: Sequence[dict], batch_tokens: int = 8192,
                   block_size: int = 16, cache: Path | None = None, chunk: int = 512,
-                  log=print) -> list[torch.Tensor]:
+                  log=print, feature_layers: Sequence[int] = ()) -> list[torch.Tensor]:
     """Per record, the served target's final (post-norm) hidden states over prompt + reply,
-    float16 [len(prompt) + len(reply), H]: what the head reads and the draft imitates.
+    float16 [len(prompt) + len(reply), H]: what the head reads and the draft imitates; with
+    `feature_layers`, the outputs of those layers beside them, [.., (1 + k) H], as the engine's
+    runner hands them to a draft with `target_feature_layers`.
 
     The target runs as specserve serves it (`load_model`: a GGUF's quantized projections on
     their own blocks, through the engine's runner), so the draft learns the very states the
@@ -66,6 +74,7 @@ def target_states(target: str | Path, records: Sequence[dict], batch_tokens: int
             # KV for one batch, or for the longest record alone
             num_blocks = max(blocks, default=0) + batch_tokens // block_size
             runner = ModelRunner(load_model(target), num_blocks, block_size)
+            runner.tap_layers(feature_layers)
         out: list[torch.Tensor] = []
         i = lo
         while i < hi:
@@ -79,7 +88,7 @@ def target_states(target: str | Path, records: Sequence[dict], batch_tokens: int
                 i += 1
             hidden: list[torch.Tensor] = []
             runner.forward(segments, hidden)
-            out += [h.to(torch.float16).clone() for h in hidden]  # [len(seq), H] each
+            out += [h.to(torch.float16).clone() for h in hidden]  # [len(seq), (1 + k) H]
             log(f"target states {i}/{len(records)}")
         return out
 
@@ -90,6 +99,8 @@ def target_states(target: str | Path, records: Sequence[dict], batch_tokens: int
         last = min(first + chunk, len(records))
         ids = [Path(target).name] + [[r["prompt_ids"], r["reply_ids"]]
                                      for r in records[first:last]]
+        if feature_layers:  # (the final states alone keep the names they always had)
+            ids.insert(1, ["layers", list(feature_layers)])
         digest = hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]
         path = Path(cache) / f"{Path(target).stem}-states-{digest}.pt"
         if path.is_file():
@@ -108,7 +119,7 @@ class EagleDraft(nn.Module):
     """Training twin of specserve's DecoderLM with `reads_target_hidden` and a reduced head."""
 
     def __init__(self, target: nn.Module, num_layers: int, token_ids: torch.Tensor,
-                 init_layers: Sequence[int] = ()) -> None:
+                 init_layers: Sequence[int] = (), feature_layers: Sequence[int] = ()) -> None:
         from transformers import LlamaConfig, LlamaModel
 
         super().__init__()
@@ -120,6 +131,14 @@ class EagleDraft(nn.Module):
         self.embed_tokens = embed  # shared, frozen, not saved
         embed.requires_grad_(False)
         self.fc = nn.Linear(2 * H, H, bias=True)
+        # EAGLE-3's fusion of target layers: starts as the final state alone.
+        self.feature_layers = list(feature_layers)
+        self.fuse = None
+        if feature_layers:
+            self.fuse = nn.Linear((1 + len(feature_layers)) * H, H, bias=False)
+            with torch.no_grad():
+                self.fuse.weight.zero_()
+                self.fuse.weight[:, :H] = torch.eye(H)
         self.model = LlamaModel(cfg)
         self.model.embed_tokens = None  # inputs_embeds only
         for mine, src in zip(self.model.layers, init_layers):
@@ -135,6 +154,15 @@ class EagleDraft(nn.Module):
         token) -> h [B, T, H]."""
         x = self.fc(torch.cat([self.embed_tokens(input_ids), prev_hidden], dim=-1))
         return self.model(inputs_embeds=x, attention_mask=attention_mask).last_hidden_state
+
+    def features(self, rows: torch.Tensor) -> torch.Tensor:
+        """The target's rows from `target_states` [..., (1 + k) H] -> what the draft reads in
+        their place [..., H] (the engine's DecoderLM.fuse_target_features)."""
+        from specserve.model.architectures import scale_taps
+
+        if self.fuse is None:
+            return rows
+        return self.fuse(scale_taps(rows, self.config.hidden_size, self.config.rms_norm_eps))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., H] -> [..., K] over the draft's tokens."""
@@ -162,6 +190,13 @@ class EagleDraft(nn.Module):
         saved.pop("lm_head.weight")
         self.fc.weight.data.copy_(saved.pop("model.fc.weight"))
         self.fc.bias.data.copy_(saved.pop("model.fc.bias"))
+        # A draft of the final state alone can grow feature layers (its fuse starts as that
+        # state alone); the other way round would drop what the saved one learned.
+        fuse = saved.pop("model.fuse.weight", None)
+        if fuse is not None:
+            if self.fuse is None or fuse.shape != self.fuse.weight.shape:
+                raise ValueError(f"{folder}: the saved draft reads other target layers")
+            self.fuse.weight.data.copy_(fuse)
         mine = {k: v for k, v in self.model.state_dict().items() if "rotary_emb" not in k}
         theirs = {k.removeprefix("model."): v for k, v in saved.items()}
         if mine.keys() != theirs.keys():
@@ -176,6 +211,9 @@ class EagleDraft(nn.Module):
                  if "rotary_emb" not in k}
         state["model.fc.weight"] = self.fc.weight
         state["model.fc.bias"] = self.fc.bias
+        if self.fuse is not None:
+            state["model.fuse.weight"] = self.fuse.weight
+            extra_config = {**extra_config, "target_feature_layers": self.feature_layers}
         state["lm_head.weight"] = self.head
         state = {k: v.detach().to(dtype).contiguous() for k, v in state.items()}
         state["lm_head.token_ids"] = self.token_ids.clone()
@@ -189,11 +227,12 @@ class EagleDraft(nn.Module):
 
 def state_batches(records: Sequence[dict], states: Sequence[torch.Tensor], batch_size: int,
                   seed: int) -> Iterator[tuple[torch.Tensor, ...]]:
-    """Endless shuffled batches: ids, attention mask [B, T]; prev [B, T, H] (f_{j-1}, zeros at
-    j = 0 and in padding); f [B, T, H]; loss mask [B, T] (positions predicting reply tokens)."""
+    """Endless shuffled batches: ids, attention mask [B, T]; prev [B, T, W] (f_{j-1}, zeros at
+    j = 0 and in padding); f [B, T, W]; loss mask [B, T] (positions predicting reply tokens).
+    W = (1 + k) H: the states' width (the final state, then k tapped layers' outputs)."""
     rng = random.Random(seed)
     order = list(range(len(records)))
-    H = states[0].shape[-1]
+    W = states[0].shape[-1]
     while True:
         rng.shuffle(order)
         for i in range(0, len(order) - batch_size + 1, batch_size):
@@ -202,7 +241,7 @@ def state_batches(records: Sequence[dict], states: Sequence[torch.Tensor], batch
             width = max(map(len, seqs))
             ids = torch.zeros(len(picked), width, dtype=torch.long)
             mask = torch.zeros(len(picked), width, dtype=torch.long)
-            f = torch.zeros(len(picked), width, H)
+            f = torch.zeros(len(picked), width, W)
             loss_mask = torch.zeros(len(picked), width, dtype=torch.bool)
             for b, (j, seq) in enumerate(zip(picked, seqs)):
                 n = len(seq)
@@ -212,7 +251,7 @@ def state_batches(records: Sequence[dict], states: Sequence[torch.Tensor], batch
                 # f_j predicts token j + 1: the reply's tokens are predicted from the last prompt
                 # position to the second-to-last reply position.
                 loss_mask[b, len(records[j]["prompt_ids"]) - 1:n - 1] = True
-            prev = torch.cat([torch.zeros(len(picked), 1, H), f[:, :-1]], dim=1)
+            prev = torch.cat([torch.zeros(len(picked), 1, W), f[:, :-1]], dim=1)
             yield ids, mask, prev, f, loss_mask
 
 
@@ -223,7 +262,8 @@ def eagle_loss(draft: EagleDraft, batch: tuple[torch.Tensor, ...], unroll: int,
     reg_weight 0 drops the hidden-state regression (EAGLE-3's choice): h is then shaped only by
     the next-token loss, here and through the later passes that read it."""
     ids, mask, prev, f, loss_mask = batch
-    f_at = f[loss_mask]  # [P, H]
+    f_at = f[loss_mask][:, :draft.config.hidden_size]  # [P, H]: the final states
+    prev = draft.features(prev)  # [B, T, H]
     target_p = torch.softmax(draft.logits(f_at), dim=-1)  # [P, K]: the target over K tokens
     target_top = target_p.argmax(-1)
     total, agreement = 0.0, []
@@ -248,8 +288,8 @@ def agreement(draft: EagleDraft, records: Sequence[dict], states: Sequence[torch
     for r, s in zip(records, states):
         seq = r["prompt_ids"] + r["reply_ids"]
         ids = torch.tensor([seq[:-1]])
-        f = s[:-1].float()[None]  # [1, T, H]
-        prev = torch.cat([torch.zeros_like(f[:, :1]), f[:, :-1]], dim=1)
+        f = s[:-1].float()[None]  # [1, T, (1 + k) H]
+        prev = draft.features(torch.cat([torch.zeros_like(f[:, :1]), f[:, :-1]], dim=1))
         first = len(r["prompt_ids"]) - 1
         want = torch.tensor(r["reply_ids"])
         for d in range(depth):

@@ -204,4 +204,5 @@ def _place_kv(core: EngineCore, req: Request, payload: KVPayload) -> None:
     req.kv.draft_reached(d)
     hidden = tensors.get("target_hidden")
     if hidden is not None and core.proposer is not None and core.proposer.reads_target_hidden:
-        core.proposer.record_target_hidden(req.request_id, meta.hidden_start, hidden)
+        # The prefill sent the rows as its draft reads them (fused): kept as they are.
+        core.proposer.target_hidden.record(req.request_id, meta.hidden_start, hidden)

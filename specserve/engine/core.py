@@ -81,6 +81,9 @@ class EngineCore:
         self.runner = ModelRunner(self.target, num_blocks, cache.block_size)
         self.proposer = (DraftModelProposer(ModelRunner(self.draft, num_blocks, cache.block_size))
                          if self.draft is not None else None)
+        if self.draft is not None and self.draft.spec.target_feature_layers:
+            # The draft reads these layers' outputs too: the target's hidden rows carry them.
+            self.runner.tap_layers(self.draft.spec.target_feature_layers)
         self.ngram = NgramProposer()
         self.suffix = SuffixProposer()  # its store holds every request's text, whatever its mode
         self.adaptive = AdaptiveController(engine_acceptance=acceptance_prior(config.draft))
@@ -324,7 +327,7 @@ class EngineCore:
                 continue
             rid = req.request_id
             rows = [0] + accepted[rid] if rid in trees else list(range(len(seg.token_ids)))
-            self.proposer.record_target_hidden(rid, seg.start, hid[rows])  # [n, H]
+            self.proposer.record_target_hidden(rid, seg.start, hid[rows])  # [n, (1 + k) H]
 
     def _verify(self, scheduled: list[ScheduledRequest], trees: dict[str, TokenTree],
                 segments: list[Segment], logits: list[torch.Tensor]

@@ -13,6 +13,7 @@ attn_logit_softcapping is ignored, as transformers' and llama.cpp's Gemma 3 igno
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -70,6 +71,10 @@ class ArchSpec:
     # final hidden state at the position before it: `fc` fuses [embedding, hidden] into its
     # first layer's input. Its hidden size is the target's.
     reads_target_hidden: bool = False
+    # ... and, with `target_feature_layers` (EAGLE-3's low / mid / high fusion), the outputs of
+    # these target layers beside that final state, fused into one hidden-size row by `fuse`
+    # (`fuse_target_features`) before `fc` reads it.
+    target_feature_layers: tuple[int, ...] = ()
     # Qwen3 / Gemma 3 (module docstring): per-head q/k RMSNorm; Gemma's block norms.
     qk_norm: bool = False
     sandwich_norms: bool = False  # post-attention and pre/post-feedforward norms
@@ -129,6 +134,7 @@ class ArchSpec:
             head_vocab_size=getattr(config, "draft_vocab_size", None),
             shared_embeddings=bool(getattr(config, "shares_target_embeddings", False)),
             reads_target_hidden=bool(getattr(config, "reads_target_hidden", False)),
+            target_feature_layers=tuple(getattr(config, "target_feature_layers", None) or ()),
             qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
             sandwich_norms=gemma,
             norm_weight_offset=1.0 if gemma else 0.0,
@@ -269,6 +275,15 @@ class DecoderLayer(nn.Module):
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
+def scale_taps(rows: torch.Tensor, hidden_size: int, eps: float) -> torch.Tensor:
+    """[..., (1 + k) H]: the first H columns as they are, each further H RMS-scaled (no
+    weight), in float32 and back."""
+    final, taps = rows[..., :hidden_size], rows[..., hidden_size:].float()
+    taps = taps.unflatten(-1, (-1, hidden_size))  # [..., k, H]
+    taps = taps * torch.rsqrt(taps.pow(2).mean(-1, keepdim=True) + eps)
+    return torch.cat([final, taps.flatten(-2).to(rows.dtype)], dim=-1)
+
+
 class DecoderLM(nn.Module):
     """Embedding -> N decoder layers -> final norm; `compute_logits` applies the LM head.
 
@@ -289,6 +304,10 @@ class DecoderLM(nn.Module):
         H = spec.hidden_size
         self.fc = (ColumnParallelLinear(2 * H, [RowRange(H, 0, H)], bias=True, dtype=dtype)
                    if spec.reads_target_hidden else None)
+        taps = len(spec.target_feature_layers)
+        self.fuse = (ColumnParallelLinear((1 + taps) * H, [RowRange(H, 0, H)], bias=False,
+                                          dtype=dtype) if spec.reads_target_hidden and taps
+                     else None)
         windows = spec.layer_windows or (None,) * spec.num_layers
         self.layers = nn.ModuleList(DecoderLayer(spec, dtype, shard, windows[i])
                                     for i in range(spec.num_layers))
@@ -319,13 +338,16 @@ class DecoderLM(nn.Module):
         return [m for m in self.modules() if isinstance(m, RMSNorm)]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, target_hidden: torch.Tensor | None = None
-                ) -> torch.Tensor:
-        """input_ids, positions [T]; kv_cache [L, 2, num_blocks, block_size, Hkv, D] -> [T, H].
+                meta: AttentionMetadata, target_hidden: torch.Tensor | None = None,
+                taps: Sequence[int] = ()) -> torch.Tensor:
+        """input_ids, positions [T]; kv_cache [L, 2, num_blocks, block_size, Hkv, D] -> [T, H],
+        the final (normed) hidden states; with `taps` (layer indices, ascending)
+        [T, (1 + len(taps)) H]: those, then the output of each tapped layer (the residual
+        stream after it), what a draft with `target_feature_layers` reads.
 
         target_hidden [T, H]: for a draft that reads them (`spec.reads_target_hidden`), the
-        target's final hidden state at each token's previous position (or the draft's own
-        output standing in for it)."""
+        target's final hidden state at each token's previous position, fused with its tapped
+        layers' (`fuse_target_features`), or the draft's own output standing in for it."""
         # A draft's shared embeddings keep the target's dtype: cast the looked-up rows.
         x = self.embed_tokens(input_ids).to(self.dtype)  # [T, H]
         if self.spec.embed_scale is not None:  # rounded to the layers' dtype, as Gemma does
@@ -334,15 +356,37 @@ class DecoderLM(nn.Module):
             if target_hidden is None:
                 raise ValueError("this draft reads the target's hidden states; none were given")
             x = self.fc(torch.cat([x, target_hidden.to(x.dtype)], dim=-1))  # [T, 2H] -> [T, H]
-        stacked = cpu_stack.run_layers(self, x, positions, kv_cache, meta)
+        tapped, first = [], 0
+        for end in [t + 1 for t in taps] + [len(self.layers)]:
+            x = self._run_layers(x, positions, kv_cache, meta, range(first, end))
+            if len(tapped) < len(taps):
+                tapped.append(x.clone())  # the C stack goes on updating x in place
+            first = end
+        return torch.cat([self.norm(x), *tapped], dim=-1) if taps else self.norm(x)
+
+    def _run_layers(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                    meta: AttentionMetadata, layers: range) -> torch.Tensor:
+        """x [T, H] through `layers` -> [T, H]: one C call on CPU where it applies."""
+        stacked = cpu_stack.run_layers(self, x, positions, kv_cache, meta, layers)
         if stacked is not None:
-            return self.norm(stacked)
+            return stacked
         if self.spec.layer_windows and meta.max_position is None:
             # Sliding layers attend with the plain kernels while no query is past the window.
             meta = replace(meta, max_position=int(positions.max()) if len(positions) else 0)
-        for i, layer in enumerate(self.layers):
+        for i in layers:
+            layer = self.layers[i]
             x = layer(x, positions, self.rotary_for(layer), kv_cache[i], meta)
-        return self.norm(x)
+        return x
+
+    def fuse_target_features(self, rows: torch.Tensor) -> torch.Tensor:
+        """A target's rows from `forward(taps=spec.target_feature_layers)`, [n, (1 + k) H] ->
+        [n, H], what this draft reads as target_hidden: each tapped layer's output RMS-scaled
+        (the residual stream grows through the layers; the final state is already normed),
+        then `fuse`. Without feature layers the rows are the final states, read as they are."""
+        if self.fuse is None:
+            return rows
+        return self.fuse(scale_taps(rows.to(self.dtype), self.spec.hidden_size,
+                                    self.spec.rms_norm_eps))
 
     def rotary_for(self, layer: nn.Module) -> RotaryEmbedding:
         """The rotary tables `layer` rotates with: Gemma's sliding layers have their own."""

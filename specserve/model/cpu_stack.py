@@ -28,20 +28,25 @@ from .quant import QuantizedLinear, QuantizedParts
 
 
 def run_layers(model: nn.Module, x: torch.Tensor, positions: torch.Tensor,
-               kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
-    """x [T, H] -> the last layer's output [T, H] through the C stack, or None."""
+               kv_cache: torch.Tensor, meta: AttentionMetadata, layers: range | None = None
+               ) -> torch.Tensor | None:
+    """x [T, H] -> the output [T, H] of `layers` (consecutive; default: all) through the C
+    stack, or None."""
     if (x.device.type != "cpu" or x.shape[0] > cpu_decoder.MAX_ROWS or model.shard.is_split
             or not cpu_decoder.enabled()):
         return None
     lib = cpu_decoder.library()
     if lib is None:
         return None
-    stack = _stack(model, x.dtype)
+    layers = range(len(model.layers)) if layers is None else layers
+    if not layers:
+        return x
+    stack = _stack(model, x.dtype, layers)
     if stack is None:
         return None
-    return stack.run(lib, x, positions, kv_cache, meta.slot_mapping, meta.block_tables,
-                     meta.query_start_loc, meta.context_lens, meta.local_mask,
-                     meta.max_query_len)
+    return stack.run(lib, x, positions, kv_cache[layers.start:layers.stop], meta.slot_mapping,
+                     meta.block_tables, meta.query_start_loc, meta.context_lens,
+                     meta.local_mask, meta.max_query_len)
 
 
 def forget(model: nn.Module) -> None:
@@ -49,18 +54,19 @@ def forget(model: nn.Module) -> None:
     model.__dict__.pop("_cpu_stacks", None)
 
 
-def _stack(model: nn.Module, dtype: torch.dtype) -> DecoderStack | None:
+def _stack(model: nn.Module, dtype: torch.dtype, span: range) -> DecoderStack | None:
     stacks = model.__dict__.setdefault("_cpu_stacks", {})
-    if dtype not in stacks:
-        layers = [_layer_weights(model, layer) for layer in model.layers]
-        first = model.layers[0]
+    key = (dtype, span.start, span.stop)
+    if key not in stacks:
+        layers = [_layer_weights(model, model.layers[i]) for i in span]
+        first = model.layers[span.start]
         attn = first.self_attn
         buildable = DecoderStack.unsupported(layers, dtype, attn.head_dim) is None
-        stacks[dtype] = DecoderStack(
+        stacks[key] = DecoderStack(
             layers, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
             head_dim=attn.head_dim, eps=first.input_layernorm.eps, dtype=dtype,
             scale=attn.attn.scale, activation=first.mlp.activation) if buildable else None
-    return stacks[dtype]
+    return stacks[key]
 
 
 def _layer_weights(model: nn.Module, layer: nn.Module) -> LayerWeights:

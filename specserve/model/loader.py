@@ -113,6 +113,8 @@ def _route(name: str, spec: ArchSpec, stage: PipelineStage = WHOLE_MODEL,
         return ("norm.weight", 0) if stage.is_last else None
     if name in ("model.fc.weight", "model.fc.bias") and spec.reads_target_hidden:
         return name.removeprefix("model."), 0
+    if name == "model.fuse.weight" and spec.target_feature_layers:
+        return "fuse.weight", 0
     if name == "lm_head.weight":
         return (None if spec.tie_word_embeddings or not stage.is_last
                 else ("lm_head.weight", 0))
@@ -220,6 +222,12 @@ def _check_reads_target_hidden(spec: ArchSpec, target: DecoderLM | None, shard: 
     if shard.is_split:
         raise CheckpointError(f"{path}: a draft that reads the target's hidden states runs "
                               f"whole on rank 0 (draft_tp=1)")
+    layers = spec.target_feature_layers
+    if list(layers) != sorted(set(layers)) or any(
+            not 0 <= i < target.spec.num_layers for i in layers):
+        raise CheckpointError(f"{path}: this draft reads target layers {list(layers)}; the "
+                              f"target has {target.spec.num_layers} (distinct, ascending "
+                              f"indices below that)")
 
 
 def _share_embeddings(draft: DecoderLM, target: DecoderLM, path: Path) -> None:

@@ -185,11 +185,28 @@ class ModelRunner:
                           else runner_id)
         # Rank 0: results still to come from the last stage, oldest first.
         self._in_flight: deque[PendingResult] = deque()
+        # Layers whose outputs the hidden rows carry beside the final states (`tap_layers`).
+        self.feature_layers: tuple[int, ...] = ()
         header = [Command.INIT_CACHE, self.runner_id, shard.model, num_blocks, block_size]
         if self.drives_workers:
             send_command(header)
         if self.link is not None:
             self.link.pass_on(header)
+
+    def tap_layers(self, layers: Sequence[int]) -> None:
+        """From now on the hidden rows forwards return are [rows, (1 + len(layers)) H]: the
+        final states, then these layers' outputs (what a draft with `target_feature_layers`
+        reads). The model must run whole here: under pipeline parallelism the layers' outputs
+        would have to travel with the stages' hidden states."""
+        layers = tuple(layers)
+        if layers and self.link is not None:
+            raise ValueError("a draft that reads several target layers needs the target on one "
+                             "pipeline stage (pp=1)")
+        if list(layers) != sorted(set(layers)) or any(
+                not 0 <= i < self.model.spec.num_layers for i in layers):
+            raise ValueError(f"target layers {list(layers)}: distinct, ascending, each below "
+                             f"{self.model.spec.num_layers}")
+        self.feature_layers = layers
 
     def slots(self, block_table: Sequence[int], positions: Sequence[int]) -> list[int]:
         bs = self.block_size
@@ -205,7 +222,8 @@ class ModelRunner:
         vocab = self.model.spec.vocab_size
         if len(hidden) == 0:
             return torch.zeros(0, vocab)
-        hidden = hidden.to(self.dtype).contiguous()
+        # (rows with tapped layers' outputs beside them: the final states come first)
+        hidden = hidden[:, :self.model.spec.hidden_size].to(self.dtype).contiguous()
         header = [Command.LOGITS, self.runner_id, len(hidden)]
         if self.drives_workers:
             send_command(header)
@@ -237,8 +255,9 @@ class ModelRunner:
         """Run one forward; returns per segment the float32 logits [len(logit_rows), vocab].
 
         With `hidden_out` (a list), also appends per segment the final hidden states of its
-        `hidden_rows` ([len(hidden_rows), H]); the caller applies `logits` to them in chunks of
-        its choosing, so no [rows, vocab] tensor of a whole prompt is ever needed.
+        `hidden_rows` ([len(hidden_rows), H], or (1 + k) H wide with k `feature_layers`); the
+        caller applies `logits` to them in chunks of its choosing, so no [rows, vocab] tensor of
+        a whole prompt is ever needed.
         """
         return self.collect(self.submit(segments), hidden_out)
 
@@ -250,7 +269,7 @@ class ModelRunner:
         header = [Command.FORWARD, self.runner_id, *inputs.header()]
         if self.drives_workers:
             send_command(header, inputs.payload())
-        hidden = self._hidden(inputs, self._target_hidden(segments))  # [T, H]
+        hidden = self._hidden(inputs, self._target_hidden(segments))  # [T, (1 + k) H]
         if self.drives_pipeline:
             self.link.pass_on(header, inputs.payload(), hidden)
             result = self._expect([(len(inputs.logit_rows), self.model.spec.vocab_size,
@@ -352,8 +371,8 @@ class ModelRunner:
     def _hidden(self, inputs: StepInputs, target_hidden: torch.Tensor | None = None,
                 hidden_in: torch.Tensor | None = None) -> torch.Tensor:
         """The hidden states [T, H] after this rank's shard (replicated across the TP ranks):
-        the final ones, or this pipeline stage's output. `hidden_in` [T, H]: a later stage's
-        input in place of the token ids."""
+        the final ones, or this pipeline stage's output; [T, (1 + k) H] with k `feature_layers`.
+        `hidden_in` [T, H]: a later stage's input in place of the token ids."""
         dev = self.device
         mask = inputs.local_mask
         meta = AttentionMetadata(
@@ -365,12 +384,14 @@ class ModelRunner:
             max_query_len=inputs.max_query_len,
         )
         first = inputs.token_ids.to(dev) if hidden_in is None else hidden_in
-        return self.model(first, inputs.positions.to(dev), self.kv_cache, meta, target_hidden)
+        return self.model(first, inputs.positions.to(dev), self.kv_cache, meta, target_hidden,
+                          taps=self.feature_layers)
 
     def _logit_rows(self, hidden: torch.Tensor, inputs: StepInputs) -> torch.Tensor | None:
         if len(inputs.logit_rows) == 0:
             return None
-        return self.model.compute_logits(hidden[inputs.logit_rows.to(self.device)])
+        rows = hidden[inputs.logit_rows.to(self.device), :self.model.spec.hidden_size]
+        return self.model.compute_logits(rows)
 
     def _local_mask(self, segments: Sequence[Segment], query_start: list[int], max_q: int
                     ) -> torch.Tensor | None:

@@ -134,8 +134,11 @@ class DraftModelProposer:
 
     def record_target_hidden(self, request_id: str, first_position: int,
                              hidden: torch.Tensor) -> None:
-        """The target's final hidden states [n, H] at positions first_position, +1, ... ."""
-        self.target_hidden.record(request_id, first_position, hidden)
+        """The target's hidden rows at positions first_position, +1, ...: its final states
+        [n, H], with its tapped layers' outputs beside them for a draft with
+        `target_feature_layers` [n, (1 + k) H], kept as the draft reads them (fused)."""
+        self.target_hidden.record(request_id, first_position,
+                                  self.runner.model.fuse_target_features(hidden))
 
     def forget(self, request_id: str) -> None:
         """A request left the engine."""

@@ -67,6 +67,21 @@ def greedy_reference(pair):
     return prompts, params, [o.token_ids for o in off]
 
 
+def record_draft_reads(monkeypatch) -> dict[str, dict[int, torch.Tensor]]:
+    """request id -> position -> the row the draft read at that position, filled as it runs."""
+    seen: dict[str, dict[int, torch.Tensor]] = {}
+    read = DraftModelProposer._read_target_hidden
+
+    def spy(self, request_id, start, end):
+        rows = read(self, request_id, start, end)
+        for i, p in enumerate(range(start, end)):
+            seen.setdefault(request_id, {})[p] = rows[i]
+        return rows
+
+    monkeypatch.setattr(DraftModelProposer, "_read_target_hidden", spy)
+    return seen
+
+
 # ---- the store of target states -----------------------------------------------------------
 def test_store_reach_inputs_and_trimming():
     store = TargetHiddenStore(2)
@@ -166,16 +181,7 @@ def test_engine_hands_the_draft_the_targets_states(pair, greedy_reference, monke
     """Every state the draft reads is the target's own at the position before its token."""
     prompts, params, want = greedy_reference
     llm = LLM(*pair, dtype="float32", max_num_batched_tokens=32)  # the long prompt in chunks
-    seen: dict[str, dict[int, torch.Tensor]] = {}
-    read = DraftModelProposer._read_target_hidden
-
-    def spy(self, request_id, start, end):
-        rows = read(self, request_id, start, end)
-        for i, p in enumerate(range(start, end)):
-            seen.setdefault(request_id, {})[p] = rows[i]
-        return rows
-
-    monkeypatch.setattr(DraftModelProposer, "_read_target_hidden", spy)
+    seen = record_draft_reads(monkeypatch)
     reqs = [llm.engine.add_request(p, params, speculation="chain:3") for p in prompts]
     while llm.engine.has_work:
         llm.engine.step()
