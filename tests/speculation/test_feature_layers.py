@@ -155,3 +155,22 @@ def test_recipe_states_carry_the_layers_and_a_plain_draft_grows_them(target_dir,
     assert agreement(grown, records, states) == agreement(plain, records, plain_states)
     with pytest.raises(ValueError, match="other target layers"):
         plain.load_saved(save_fused(target_dir, tmp_path / "fused", seed=6)[1])
+
+
+def test_prompt_logprobs_beside_a_fused_draft(target_dir, tmp_path):
+    """The target's hidden rows are wider with a fused draft; prompt and output log-probs
+    still come from its final states alone."""
+    _, folder = save_fused(target_dir, tmp_path / "d", seed=7)
+    params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=2, prompt_logprobs=2,
+                            ignore_eos=True)
+    prompt = list(range(3, 30))
+    want = LLM(target_dir, dtype="float32").generate([prompt], params)[0]
+    got = LLM(target_dir, folder, dtype="float32").generate([prompt], params,
+                                                            speculation="chain:2")[0]
+    assert got.token_ids == want.token_ids and got.metrics["num_drafts"] > 0
+    for mine, theirs in ((got.prompt_logprobs[1:], want.prompt_logprobs[1:]),
+                         (got.logprobs, want.logprobs)):
+        assert len(mine) == len(theirs) > 0
+        for a, b in zip(mine, theirs):
+            assert a.token_id == b.token_id and [t for t, _ in a.top] == [t for t, _ in b.top]
+            assert abs(a.logprob - b.logprob) < 1e-4
