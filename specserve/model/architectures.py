@@ -275,6 +275,12 @@ class DecoderLayer(nn.Module):
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
+def bad_feature_layers(layers: Sequence[int], num_layers: int) -> bool:
+    """Whether `layers` are not distinct ascending indices of a model's `num_layers` layers
+    (what a draft's `target_feature_layers` must be of its target's)."""
+    return list(layers) != sorted(set(layers)) or any(not 0 <= i < num_layers for i in layers)
+
+
 def scale_taps(rows: torch.Tensor, hidden_size: int, eps: float) -> torch.Tensor:
     """[..., (1 + k) H]: the first H columns as they are, each further H RMS-scaled (no
     weight), in float32 and back."""

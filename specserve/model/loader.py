@@ -24,7 +24,7 @@ from safetensors import safe_open
 
 from ..distributed import WHOLE_MODEL, PipelineStage, TPShard, shard_for_checkpoint
 from ..kernels.quant_reference import FORMATS
-from .architectures import ArchSpec, DecoderLM
+from .architectures import ArchSpec, DecoderLM, bad_feature_layers
 from .huge_pages import move_to_huge_pages
 from .parallel import QUANT_BLOCK, check_split
 from .quant import quantize_model, resolve_quantization, use_file_blocks
@@ -223,8 +223,7 @@ def _check_reads_target_hidden(spec: ArchSpec, target: DecoderLM | None, shard: 
         raise CheckpointError(f"{path}: a draft that reads the target's hidden states runs "
                               f"whole on rank 0 (draft_tp=1)")
     layers = spec.target_feature_layers
-    if list(layers) != sorted(set(layers)) or any(
-            not 0 <= i < target.spec.num_layers for i in layers):
+    if bad_feature_layers(layers, target.spec.num_layers):
         raise CheckpointError(f"{path}: this draft reads target layers {list(layers)}; the "
                               f"target has {target.spec.num_layers} (distinct, ascending "
                               f"indices below that)")

@@ -36,7 +36,7 @@ from specserve.kernels import copy_kv_slots
 
 from ..distributed import WHOLE_MODEL, broadcast_from_rank0, send_command
 from ..pipeline.link import StageLink
-from .architectures import DecoderLM
+from .architectures import DecoderLM, bad_feature_layers
 from .attention import AttentionMetadata
 
 
@@ -202,8 +202,7 @@ class ModelRunner:
         if layers and self.link is not None:
             raise ValueError("a draft that reads several target layers needs the target on one "
                              "pipeline stage (pp=1)")
-        if list(layers) != sorted(set(layers)) or any(
-                not 0 <= i < self.model.spec.num_layers for i in layers):
+        if bad_feature_layers(layers, self.model.spec.num_layers):
             raise ValueError(f"target layers {list(layers)}: distinct, ascending, each below "
                              f"{self.model.spec.num_layers}")
         self.feature_layers = layers
