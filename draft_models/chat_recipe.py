@@ -76,6 +76,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def layer_list(text: str) -> list[int]:
+    """A comma-separated list of layer indices (empty: none)."""
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
 def log(msg: str, start: float) -> None:
     print(f"[{time.time() - start:7.1f}s] {msg}", flush=True)
 
@@ -266,7 +271,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     log(f"{len(records)} replies, {reply_tokens} reply tokens", start)
 
     t0 = time.time()
-    feature_layers = [int(x) for x in args.feature_layers.split(",") if x.strip()]
+    feature_layers = layer_list(args.feature_layers)
     states = target_states(target_path, records, cache=work, log=lambda m: log(m, start),
                            feature_layers=feature_layers)
     timings["states_s_this_run"] = time.time() - t0
@@ -280,7 +285,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         origin = f"the draft in {args.init_draft}"
     else:  # the head's vocabulary from the training replies only: the held-out ones measure it
         token_ids = frequent_tokens(records[:-n_held], args.head_vocab, special)
-        init_layers = [int(x) for x in args.init_layers.split(",") if x.strip()]
+        init_layers = layer_list(args.init_layers)
         draft = EagleDraft(target, args.layers, token_ids, init_layers, feature_layers)
         origin = f"target layers {init_layers}"
     held, held_states = records[-n_held:], states[-n_held:]
