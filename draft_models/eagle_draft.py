@@ -60,7 +60,9 @@ def target_states(target: str | Path, records: Sequence[dict], batch_tokens: int
     With `cache` (a folder), the states are kept there in chunks of `chunk` records, each file
     named by a digest of the target's name and the chunk's token ids: a killed run keeps the
     chunks it finished (the whole corpus takes tens of minutes), and a corpus that grew reuses
-    every chunk whose records are unchanged."""
+    every chunk whose records are unchanged. The states are then returned mapped from those
+    files, not copied into memory: a whole corpus's states (tens of GB with tapped layers)
+    outgrow the machine's memory, and training reads only a batch's records at a time."""
     from specserve.model.loader import load_model
     from specserve.model.runner import ModelRunner, Segment
 
@@ -104,14 +106,12 @@ def target_states(target: str | Path, records: Sequence[dict], batch_tokens: int
         digest = hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]
         path = Path(cache) / f"{Path(target).stem}-states-{digest}.pt"
         if path.is_file():
-            states += torch.load(path)
             log(f"target states {last}/{len(records)} (cached)")
-            continue
-        computed = compute(first, last)
-        tmp = path.with_suffix(".tmp")  # written beside it, then renamed: never half a file
-        torch.save(computed, tmp)
-        tmp.replace(path)
-        states += computed
+        else:
+            tmp = path.with_suffix(".tmp")  # written beside it, then renamed: never half a file
+            torch.save(compute(first, last), tmp)
+            tmp.replace(path)
+        states += torch.load(path, mmap=True)
     return states
 
 

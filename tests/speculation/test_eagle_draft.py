@@ -4,6 +4,8 @@ and sampled speculation with it (batched, preempted, prefix-cached), and its dis
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -267,6 +269,20 @@ def test_target_states_go_on_from_their_cached_chunks(pair, tmp_path):
     assert [s.shape for s in states] == [s.shape for s in uncached]
     for got, want in zip(states, uncached):
         torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+    # Read back or just computed, every state is mapped from its chunk's file, not held in memory.
+    cache_maps = file_mappings(tmp_path)
+    assert all(any(lo <= s.data_ptr() < hi for lo, hi in cache_maps) for s in states)
+
+
+def file_mappings(folder) -> list[tuple[int, int]]:
+    """The address ranges this process has mapped from files in `folder` (Linux)."""
+    ranges = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5].startswith(str(folder)):
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            ranges.append((lo, hi))
+    return ranges
 
 
 def test_distillation_learns_the_targets_states(pair):
