@@ -12,18 +12,19 @@ and costs about T_target + k * (T_draft + T_row), so the controller picks the k 
 T_target is the measured target forward of recent decode steps; T_row what one more query row
 adds to it, the slope of a running least-squares fit of forward time against rows per forward
 (near 0 on a GPU, where verifying a few dozen rows costs about one; clearly not on a CPU, where
-every row is compute). T_draft is measured on the tree-growing draft forwards only (the
-catch-up forward that yields depth 1 also carries other requests' prompt chunks and deferred
-tokens, which would inflate it); a chain of k runs about k draft forwards, the catch-up among
-them. Estimates are exponentially weighted, so a request whose text turns predictable (code,
-quotes) lengthens its chain and one that wanders shortens it. A request that stopped
-speculating probes with one token after PROBE_EVERY steps so it can notice when drafting pays
-again; each probe rejected doubles its wait (up to MAX_PROBE_EVERY steps), and one accepted
-resets it, so a draft that rarely agrees costs next to nothing (a probe's catch-up draft forward
-and its extra verified row cost about half a target forward on a small CPU model). The
-engine's estimates start from what was measured of the draft where that was saved beside it
-(`acceptance.json`, see `acceptance_prior`), so a weak draft is not tried at length on the
-first requests and a strong one is used at once; else from PRIOR_ACCEPTANCE.
+every row is compute). T_draft is measured on the draft forwards of steps that draft: a chain of
+k runs k of them, the catch-up forward that yields depth 1 among them, except where that one
+carries more than the tokens the last step committed (prompt chunks in a batch, or the tokens of
+steps without drafts: a probe's cost, which backing off bounds). Estimates are exponentially
+weighted, so a request whose text turns predictable (code, quotes) lengthens its chain and one
+that wanders shortens it. A request that stopped speculating probes with one token after
+PROBE_EVERY steps so it can notice when drafting pays again; each probe rejected doubles its
+wait (up to MAX_PROBE_EVERY steps), and one accepted resets it, so a draft that rarely agrees
+costs next to nothing (a probe's catch-up draft forward and its extra verified row cost about
+half a target forward on a small CPU model). The engine's estimates start from what was measured
+of the draft where that was saved beside it (`acceptance.json`, see `acceptance_prior`), so a
+weak draft is not tried at length on the first requests and a strong one is used at once; else
+from PRIOR_ACCEPTANCE.
 
 The choice is a pure function of state that changes only after verification, so the scheduler
 (which reserves KV slots) and the proposer (which drafts) see the same mode within a step.

@@ -67,8 +67,11 @@ class Proposal:
     trees: dict[str, TokenTree] = field(default_factory=dict)  # request id -> tree
     # Request id -> tokens whose draft KV is now in place (only requests whose draft KV grew).
     draft_computed: dict[str, int] = field(default_factory=dict)
-    num_levels: int = 0  # tree-growing draft forwards (catch-up excluded)
-    levels_time_s: float = 0.0  # their time: the draft cost adaptive speculation measures
+    # Draft forwards of a drafting step, and their time: the draft cost adaptive speculation
+    # measures. The catch-up forward that yields depth 1 counts unless it carried more than the
+    # tokens the last drafting step committed (prompt chunks, tokens of steps without drafts).
+    num_levels: int = 0
+    levels_time_s: float = 0.0
 
 
 class Proposer(Protocol):
@@ -162,6 +165,7 @@ class DraftModelProposer:
         """
         proposal = Proposal()
         catch_up, growing = [], []
+        steady = True  # the catch-up is one that every drafting step has (timed, see below)
         for inp in inputs:
             end = inp.num_computed_tokens + inp.num_new_tokens
             speculating = inp.num_spec_slots > 0
@@ -183,12 +187,18 @@ class DraftModelProposer:
                                     target_hidden=self._read_target_hidden(inp.request_id,
                                                                            start, end)))
             proposal.draft_computed[inp.request_id] = end
+            # Longer catch-ups carry a prompt chunk or tokens of steps that did not draft.
+            steady = steady and inp.is_decoding and len(tokens) <= inp.num_spec_slots + 1
             if speculating:
                 growing.append(self._start(inp))
         if not catch_up:
             return proposal
         hidden: list[torch.Tensor] = []
+        began = time.perf_counter()
         logits = self.runner.forward(catch_up, hidden)
+        if growing and steady:  # the one draft forward of a chain:1
+            proposal.num_levels += 1
+            proposal.levels_time_s += time.perf_counter() - began
         roots = iter((lg, hid) for seg, lg, hid in zip(catch_up, logits, hidden)
                      if seg.logit_rows)
         for g in growing:

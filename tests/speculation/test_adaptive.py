@@ -93,6 +93,28 @@ def test_adaptive_with_a_copy_draft_grows_its_chain(tiny_target):
 
 
 
+def test_a_chain_of_one_token_measures_its_draft_forward(tiny_target, tiny_draft):
+    """chain:1 runs no tree-growing forward: the catch-up that yields depth 1 is its whole draft
+    cost, so it is what gets measured (left unmeasured, the cost stayed at its 0.25 guess and a
+    weak draft was tried where it did not pay). A catch-up carrying the prompt is not timed."""
+    llm = LLM(tiny_target, tiny_draft, speculation="adaptive")
+    ctl = llm.engine.adaptive
+    ctl.engine_acceptance = [0.5] + [0.0] * (MAX_CHAIN - 1)  # the best chain: one token
+    steps, verdicts = [], []
+    observe_step, observe_verdict = ctl.observe_step, ctl.observe_verdict
+    ctl.observe_step = lambda *a: (steps.append(a), observe_step(*a))
+    ctl.observe_verdict = lambda *a: (verdicts.append(a[1]), observe_verdict(*a))
+    prompt = list(range(5, 40))
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
+    assert out.token_ids == llm.generate([prompt], SamplingParams(
+        temperature=0, max_tokens=6, ignore_eos=True), speculation="off")[0].token_ids
+    assert verdicts[0] == 1  # the first decode step drafts one token
+    levels = [draft_levels for *_, draft_levels in steps]
+    assert levels[0] == 0  # the prefill step: its catch-up is the prompt
+    assert levels[1] == 1 and steps[1][2] > 0  # the first chain:1: one timed draft forward
+    assert ctl.draft_level_time_s is not None and ctl.draft_level_time_s > 0
+
+
 def test_row_cost_is_fitted_from_forwards_of_varying_size_and_shortens_chains():
     ctl = AdaptiveController()
     acceptance = [0.8] * MAX_CHAIN
