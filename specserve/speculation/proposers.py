@@ -196,7 +196,7 @@ class DraftModelProposer:
         hidden: list[torch.Tensor] = []
         began = time.perf_counter()
         logits = self.runner.forward(catch_up, hidden)
-        if growing and steady:  # the one draft forward of a chain:1
+        if growing and steady:  # the depth-1 forward of every chain (a chain:1's only one)
             proposal.num_levels += 1
             proposal.levels_time_s += time.perf_counter() - began
         roots = iter((lg, hid) for seg, lg, hid in zip(catch_up, logits, hidden)

@@ -92,7 +92,6 @@ def test_adaptive_with_a_copy_draft_grows_its_chain(tiny_target):
     llm.engine.block_manager.check_no_leak()
 
 
-
 def test_a_chain_of_one_token_measures_its_draft_forward(tiny_target, tiny_draft):
     """chain:1 runs no tree-growing forward: the catch-up that yields depth 1 is its whole draft
     cost, so it is what gets measured (left unmeasured, the cost stayed at its 0.25 guess and a
