@@ -32,7 +32,8 @@ Shapes: each projection of the
 widened target and of SmolLM2-135M alone, M = 1 and 5, weights cycled from memory: time per
 product, weight bytes read per second and that as a share of torch.sum's read bandwidth (the
 memory bound), for Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K with each activation format (the k-quants
-where K is whole super-blocks of 256), fp32 torch and bf16.
+where K is whole super-blocks of 256; the blocks in the row order a model keeps, as above), fp32
+torch and bf16.
 
 Quality, on the demo target (the widened one computes the same function): mean next-token NLL
 (nats) over the model card's held-out windows (32 chat + 32 code windows of 256 tokens from the
@@ -211,12 +212,15 @@ def _copy(w):
 def measure_kernel_shapes(rows: tuple[int, ...] = (1, 5), repeats: int = 5,
                           footprint: int = 96 << 20) -> dict:
     """Seconds per product and weight bytes read, per shape of KERNEL_SHAPES, weight kind and
-    row count: Q8_0 / Q4_0 / Q4_1 with q16, q8 and fp32 activations on the C kernel of the selected
-    ISA, fp32 weights on torch's F.linear, bf16 on `kernels.linear`. Each kind cycles through
+    row count: Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K with q16, q8 and fp32 activations on the C kernel
+    of the selected ISA, the blocks in the row order a model on the CPU keeps for the activation
+    format (quant_cpu.cpu_row_order: tiled for integer activations, as in measure_kernels), fp32
+    weights on torch's F.linear, bf16 on `kernels.linear`. Each kind cycles through
     copies of its weight totalling `footprint` bytes (past the last-level cache, so the weights
     come from memory, as in decode); kinds interleaved, best of `repeats`."""
     from specserve.kernels import linear
-    from specserve.kernels.quant_reference import ROW_GROUP, QuantizedWeight, quantize
+    from specserve.kernels.quant_cpu import cpu_row_order
+    from specserve.kernels.quant_reference import QuantizedWeight, quantize
 
     gen = torch.Generator().manual_seed(0)
     result = {}
@@ -226,8 +230,8 @@ def measure_kernel_shapes(rows: tuple[int, ...] = (1, 5), repeats: int = 5,
         for fmt, act in QUANT_KINDS:
             if fmt in ("Q4_K", "Q6_K") and k % 256:
                 continue  # a k-quant needs whole super-blocks
-            kinds[f"{fmt} {act}"] = (_quant_fn(act),
-                                     quantize(dense, fmt).with_row_group(ROW_GROUP))
+            kinds[f"{fmt} {act}"] = (_quant_fn(act), quantize(dense, fmt).with_row_group(
+                cpu_row_order(n, act)))
         copies, nbytes = {}, {}
         for kind, (_, w) in kinds.items():
             size = w.nbytes if isinstance(w, QuantizedWeight) else w.numel() * w.element_size()
