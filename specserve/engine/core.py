@@ -79,7 +79,8 @@ class EngineCore:
         self.block_manager = BlockManager(num_blocks, cache.block_size,
                                           cache.enable_prefix_caching)
         self.runner = ModelRunner(self.target, num_blocks, cache.block_size)
-        self.proposer = (DraftModelProposer(ModelRunner(self.draft, num_blocks, cache.block_size))
+        self.proposer = (DraftModelProposer(ModelRunner(self.draft, num_blocks, cache.block_size,
+                                                        head_rows=True))
                          if self.draft is not None else None)
         if self.draft is not None and self.draft.spec.target_feature_layers:
             # The draft reads these layers' outputs too: the target's hidden rows carry them.

@@ -404,15 +404,24 @@ class DecoderLM(nn.Module):
         cpu_stack.forget(self)  # it points into the weights, which may move
         return super()._apply(fn, recurse)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+    def compute_logits(self, hidden: torch.Tensor, head_rows: bool = False
+                       ) -> torch.Tensor | None:
         """hidden [N, H] -> logits [N, vocab] in float32 (-inf outside a reduced head's tokens);
-        on rank 0, None on the others."""
+        on rank 0, None on the others. `head_rows`: [N, head rows] instead, the head's own
+        rows, which `head_token_ids` names the tokens of (the whole vocabulary when None)."""
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         logits = head.logits(hidden)  # [N, head rows]
         cap = self.spec.final_softcap
         if logits is not None and cap is not None:
             logits = torch.tanh(logits / cap) * cap
-        if logits is None or self.head_token_ids is None:
+        if logits is None or head_rows:
+            return logits
+        return self.vocab_logits(logits)
+
+    def vocab_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """[N, head rows] -> [N, vocab]: each row at its token, -inf at the tokens a reduced
+        head leaves out (the same tensor when the head covers the vocabulary)."""
+        if self.head_token_ids is None:
             return logits
         full = logits.new_full((logits.shape[0], self.spec.vocab_size), float("-inf"))
         return full.index_copy_(1, self.head_token_ids, logits)  # [N, vocab]

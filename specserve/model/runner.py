@@ -153,7 +153,7 @@ class PendingResult:
 
 @dataclass
 class PendingForward:
-    """A submitted forward: its segments, and its logits [R, vocab] and hidden rows [Hr, H]
+    """A submitted forward: its segments, and its logits [R, logit_width] and hidden rows [Hr, H]
     once `result` is done."""
 
     segments: Sequence[Segment]
@@ -162,9 +162,15 @@ class PendingForward:
 
 class ModelRunner:
     def __init__(self, model: DecoderLM, num_blocks: int, block_size: int,
-                 runner_id: int | None = None) -> None:
-        """`runner_id`: on a worker, the number rank 0's runner of this model has."""
+                 runner_id: int | None = None, head_rows: bool = False) -> None:
+        """`runner_id`: on a worker, the number rank 0's runner of this model has. `head_rows`:
+        logits come as the LM head's own rows (`DecoderLM.compute_logits`), not spread over
+        the vocabulary: a draft with a reduced head picks its tokens from them."""
         self.model = model
+        self.head_rows = head_rows
+        ids = model.head_token_ids
+        # The width of every logits row this runner returns.
+        self.logit_width = len(ids) if head_rows and ids is not None else model.spec.vocab_size
         self.block_size = block_size
         self.device, self.dtype = next(model.parameters()).device, model.dtype
         attn = model.layers[0].self_attn
@@ -213,14 +219,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The LM head over final hidden states: [k, H] -> float32 [k, vocab].
+        """The LM head over final hidden states: [k, H] -> float32 [k, logit_width].
 
         A split model's head is vocabulary-parallel: rank 0 sends the rows to the workers, every
         rank computes its range of the vocabulary, and rank 0 gathers them. Under pipeline
         parallelism the rows travel to the last stage, and the logits come back."""
-        vocab = self.model.spec.vocab_size
         if len(hidden) == 0:
-            return torch.zeros(0, vocab)
+            return torch.zeros(0, self.logit_width)
         # (rows with tapped layers' outputs beside them: the final states come first)
         hidden = hidden[:, :self.model.spec.hidden_size].to(self.dtype).contiguous()
         header = [Command.LOGITS, self.runner_id, len(hidden)]
@@ -228,9 +233,9 @@ class ModelRunner:
             send_command(header)
             broadcast_from_rank0(hidden, self.model.shard)
         if not self.drives_pipeline:
-            return self.model.compute_logits(hidden)
+            return self.model.compute_logits(hidden, self.head_rows)
         self.link.pass_on(header, hidden=hidden)
-        pending = self._expect([(len(hidden), vocab, torch.float32)])
+        pending = self._expect([(len(hidden), self.logit_width, torch.float32)])
         self._wait(pending)
         return pending.results[0]
 
@@ -245,13 +250,14 @@ class ModelRunner:
             self.link.pass_on([Command.LOGITS, self.runner_id, rows], hidden=hidden)
             return
         with torch.inference_mode():
-            logits = self.model.compute_logits(hidden)  # [rows, vocab] on TP rank 0
+            logits = self.model.compute_logits(hidden, self.head_rows)  # [rows, width], rank 0
         if self.link is not None and logits is not None:
             self.link.return_result(logits)
 
     def forward(self, segments: Sequence[Segment],
                 hidden_out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
-        """Run one forward; returns per segment the float32 logits [len(logit_rows), vocab].
+        """Run one forward; returns per segment the float32 logits [len(logit_rows),
+        logit_width].
 
         With `hidden_out` (a list), also appends per segment the final hidden states of its
         `hidden_rows` ([len(hidden_rows), H], or (1 + k) H wide with k `feature_layers`); the
@@ -271,14 +277,13 @@ class ModelRunner:
         hidden = self._hidden(inputs, self._target_hidden(segments))  # [T, (1 + k) H]
         if self.drives_pipeline:
             self.link.pass_on(header, inputs.payload(), hidden)
-            result = self._expect([(len(inputs.logit_rows), self.model.spec.vocab_size,
-                                    torch.float32),
+            result = self._expect([(len(inputs.logit_rows), self.logit_width, torch.float32),
                                    (len(inputs.hidden_rows), self.model.spec.hidden_size,
                                     self.dtype)])
             return PendingForward(segments, result)
         logits = self._logit_rows(hidden, inputs)
         if logits is None:  # no segment wants logits
-            logits = torch.zeros(0, self.model.spec.vocab_size)
+            logits = torch.zeros(0, self.logit_width)
         return PendingForward(segments, PendingResult.ready(
             logits, hidden[inputs.hidden_rows.to(self.device)]))
 
@@ -390,7 +395,7 @@ class ModelRunner:
         if len(inputs.logit_rows) == 0:
             return None
         rows = hidden[inputs.logit_rows.to(self.device), :self.model.spec.hidden_size]
-        return self.model.compute_logits(rows)
+        return self.model.compute_logits(rows, self.head_rows)
 
     def _local_mask(self, segments: Sequence[Segment], query_start: list[int], max_q: int
                     ) -> torch.Tensor | None:

@@ -82,8 +82,9 @@ class StageLM(DecoderLM):
         """The layers' dtype: activations, KV cache, the hidden states between stages."""
         return self._dtype
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+    def compute_logits(self, hidden: torch.Tensor, head_rows: bool = False
+                       ) -> torch.Tensor | None:
         if not self.stage.is_last:
             raise RuntimeError(f"pipeline stage {self.stage.index} has no LM head (the last "
                                f"stage, {self.stage.num_stages - 1}, has)")
-        return super().compute_logits(hidden)
+        return super().compute_logits(hidden, head_rows)

@@ -126,6 +126,10 @@ class DraftModelProposer:
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
         spec = runner.model.spec
+        ids = runner.model.head_token_ids
+        # The token of each logits row's column, where the runner returns a reduced head's own
+        # rows (greedy picks read them as they are; None: the column is the token).
+        self.column_tokens = ids.tolist() if runner.head_rows and ids is not None else None
         # An EAGLE-style draft reads the target's hidden states beside its tokens; the engine
         # hands them over with `record_target_hidden` after each target forward.
         self.target_hidden = (TargetHiddenStore(spec.hidden_size) if spec.reads_target_hidden
@@ -241,16 +245,24 @@ class DraftModelProposer:
         """Add the children of every node expanded at depth - 1; pick which to run next."""
         new_nodes = []
         for node in sorted(g.expand):
-            logits = g.expand.pop(node)
-            if g.inp.grammar is not None:
-                logits = g.inp.grammar.masked_draft_logits(logits, g.tokens, g.parents, node)
+            logits = g.expand.pop(node)  # [runner.logit_width]
             count = self._num_children(g, node)
             if count == 0:
                 continue
+            by_column = g.greedy and g.inp.grammar is None and self.column_tokens is not None
+            if not by_column and self.runner.head_rows:
+                # Grammar masks and the sampled q live on the whole vocabulary (verification
+                # compares q with the target's distribution there).
+                logits = self.runner.model.vocab_logits(logits[None])[0]  # [vocab]
+            if g.inp.grammar is not None:
+                logits = g.inp.grammar.masked_draft_logits(logits, g.tokens, g.parents, node)
             q = process_logits(logits[None], g.inp.params)[0] if not g.greedy else None
             if q is not None:
                 g.probs[node] = q
-            tokens, logps = _pick_children(logits, q, count, g.inp.generator)
+            tokens, logps = _pick_children(logits, q, count, g.inp.generator,
+                                           scored=g.mode.kind is SpecKind.TREE)
+            if by_column:
+                tokens = [self.column_tokens[t] for t in tokens]
             floor = g.scores[node]
             for k, (token, logp) in enumerate(zip(tokens, logps)):
                 # Scores never increase along siblings, so pruning keeps a prefix of each
@@ -354,16 +366,25 @@ class DraftModelProposer:
 
 
 def _pick_children(logits: torch.Tensor, q: torch.Tensor | None, count: int,
-                   generator: torch.Generator) -> tuple[list[int], list[float]]:
+                   generator: torch.Generator, scored: bool = True
+                   ) -> tuple[list[int], list[float]]:
     """Children tokens of one node and their draft log-probabilities.
 
-    Greedy: the top `count` by draft logit. Sampling: `count` draws from q without replacement
+    Greedy: the top `count` by draft logit; without `scored` (a shape that no score decides:
+    every mode but a tree), their log-probabilities are left at 0, which saves a reduction over
+    the logits on every drafted level. Sampling: `count` draws from q without replacement
     (Gumbel-top-k gives them in draw order), which verification tries in that order.
     """
-    logp = torch.log_softmax(logits.float(), -1) if q is None else q.log()
     if q is None:
-        top = torch.topk(logp, count)
-        return top.indices.tolist(), top.values.tolist()
+        if count == 1 and not scored:
+            return [int(logits.argmax())], [0.0]
+        logits = logits.float()
+        top = torch.topk(logits, count)
+        if not scored:
+            return top.indices.tolist(), [0.0] * count
+        # the log-softmax of the top `count` alone: a pass less over the logits
+        return top.indices.tolist(), (top.values - torch.logsumexp(logits, -1)).tolist()
+    logp = q.log()
     support = int((q > 0).sum())
     count = min(count, support)
     u = torch.rand(q.shape, generator=generator).clamp_min(1e-20)

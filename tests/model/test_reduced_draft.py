@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 from specserve import LLM, SamplingParams
 from specserve.model.loader import CheckpointError, load_model
 from specserve.model.runner import ModelRunner, Segment
+from specserve.speculation.proposers import DraftModelProposer
 from tests.tiny_models import save_model
 
 HEAD_IDS = torch.tensor(sorted({0, 1, 2, *range(3, 320, 3)}))  # 109 of the 320 tokens
@@ -61,6 +62,59 @@ def test_logits_are_the_full_heads_rows_and_minus_inf_elsewhere(pair):
     outside = torch.ones(got.shape[1], dtype=torch.bool)
     outside[HEAD_IDS] = False
     assert torch.isneginf(got[:, outside]).all()
+
+
+def test_a_runner_of_head_rows_returns_the_heads_own_rows(pair):
+    target_dir, _, draft_dir = pair
+    target = load_model(target_dir, dtype="float32")
+    draft = load_model(draft_dir, dtype="float32", target=target)
+    ids = [5, 17, 42, 99, 7]
+    seg = [Segment(ids, range(len(ids)), 0, [0], range(len(ids)))]
+    vocab = ModelRunner(draft, num_blocks=4, block_size=16).forward(seg)[0]  # [T, vocab]
+    runner = ModelRunner(draft, num_blocks=4, block_size=16, head_rows=True)
+    rows = runner.forward(seg)[0]  # [T, head rows]
+    assert runner.logit_width == len(HEAD_IDS) and rows.shape == (len(ids), len(HEAD_IDS))
+    assert torch.equal(rows, vocab[:, HEAD_IDS])
+    assert torch.equal(draft.vocab_logits(rows), vocab)
+    assert runner.logits(torch.zeros(0, draft.spec.hidden_size)).shape == (0, len(HEAD_IDS))
+
+
+def _proposed_trees(llm, prompts, params, mode):
+    """Every tree the draft proposed while `llm` generated, in order: (tokens, parents)."""
+    proposer = llm.engine.proposer
+    trees, propose = [], proposer.propose
+
+    def recording(inputs):
+        proposal = propose(inputs)
+        trees.extend((t.tokens, t.parents) for _, t in sorted(proposal.trees.items()))
+        return proposal
+
+    proposer.propose = recording
+    try:
+        out = llm.generate(prompts, params, speculation=mode)
+    finally:
+        proposer.propose = propose
+    return trees, [o.token_ids for o in out]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_drafts_picked_from_head_rows_are_those_picked_from_the_vocabulary(pair, temperature):
+    """The engine's draft runner returns the head's own rows (greedy picks read them as they
+    are); one returning whole-vocabulary logits proposes the very same trees."""
+    target_dir, _, draft_dir = pair
+    by_rows = LLM(target_dir, draft_dir, dtype="float32")
+    assert by_rows.engine.proposer.runner.head_rows
+    by_vocab = LLM(target_dir, draft_dir, dtype="float32")
+    old = by_vocab.engine.proposer.runner
+    by_vocab.engine.proposer = DraftModelProposer(
+        ModelRunner(old.model, old.kv_cache.shape[2], old.block_size))
+    assert by_vocab.engine.proposer.column_tokens is None
+    prompts = [[5, 17, 42, 99], [7, 300, 2, 11, 12, 13]]
+    params = SamplingParams(temperature=temperature, seed=3, max_tokens=20, ignore_eos=True)
+    for mode in ("chain:3", "tree:8"):
+        got = _proposed_trees(by_rows, prompts, params, mode)
+        want = _proposed_trees(by_vocab, prompts, params, mode)
+        assert got[0] and got == want, mode
 
 
 def test_greedy_speculation_with_it_is_lossless(pair):
