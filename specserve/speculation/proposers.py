@@ -249,8 +249,9 @@ class DraftModelProposer:
             count = self._num_children(g, node)
             if count == 0:
                 continue
-            by_column = g.greedy and g.inp.grammar is None and self.column_tokens is not None
-            if not by_column and self.runner.head_rows:
+            in_columns = self.column_tokens is not None  # the head's rows, not the vocabulary
+            by_column = in_columns and g.greedy and g.inp.grammar is None
+            if in_columns and not by_column:
                 # Grammar masks and the sampled q live on the whole vocabulary (verification
                 # compares q with the target's distribution there).
                 logits = self.runner.model.vocab_logits(logits[None])[0]  # [vocab]
