@@ -72,45 +72,22 @@ typedef struct {
     int nr;            /* weight rows of the tile that exist (the rest are zero padding) */
 } Block;
 
-#if defined(SPECSERVE_ISA_AVX512)
-/* out[k] = dot_sum(v[k]) for 16 accumulators at once: each lane sees vf_reduce_add's additions
- * in its order (upper half onto lower, first operand the lower), transposed so that one add
- * serves 16 outputs where dot_sum spends a chain of shuffles and adds on each. */
-static inline void dot_sum16(const dot_acc v[16], float out[16]) {
-    dot_acc h[8], q[4], t[2];
-    for (int j = 0; j < 8; j++) /* [256-bit halves of v[2j] added | of v[2j + 1]] */
-        h[j] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0x44),
-                             _mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0xEE));
-    for (int j = 0; j < 4; j++) /* 128-bit quarter k: v[4j + k]'s 128-bit halves added */
-        q[j] = _mm512_add_ps(_mm512_shuffle_f32x4(h[2 * j], h[2 * j + 1], 0x88),
-                             _mm512_shuffle_f32x4(h[2 * j], h[2 * j + 1], 0xDD));
-    for (int j = 0; j < 2; j++) /* quarter k: lanes 0 + 2, 1 + 3 of v[8j + k], of v[8j + 4 + k] */
-        t[j] = _mm512_add_ps(_mm512_shuffle_ps(q[2 * j], q[2 * j + 1], 0x44),
-                             _mm512_shuffle_ps(q[2 * j], q[2 * j + 1], 0xEE));
-    float f[16]; /* quarter k, lane e: the sum of v[4e + k] */
-    _mm512_storeu_ps(f, _mm512_add_ps(_mm512_shuffle_ps(t[0], t[1], 0x88),
-                                      _mm512_shuffle_ps(t[0], t[1], 0xDD)));
-    for (int k = 0; k < 16; k++) out[k] = f[k % 4 * 4 + k / 4];
-}
-#endif
+/* Register tile sums, rounded up to whole vectors for vf_reduce_add_each. */
+#define TILE_SUMS ((TILE_MR * TILE_NR + VF - 1) / VF * VF)
 
-/* sums[i * TILE_NR + r] = dot_total(acc[m + i][c + r]), rows [m, m + MR) */
+/* sums[i * TILE_NR + r] = dot_total(acc[m + i][c + r]), rows [m, m + MR): the accumulators
+ * added in order, then dot_sum's reduction VF outputs at a time. */
 static inline __attribute__((always_inline)) void tile_sums(
-    const int MR, dot_acc (*acc)[GEMM_NR][DOT_U], int64_t m, int c, float *sums) {
-#if defined(SPECSERVE_ISA_AVX512)
-    dot_acc t[(TILE_MR * TILE_NR + 15) / 16 * 16];
-    for (int k = MR * TILE_NR; k < (MR * TILE_NR + 15) / 16 * 16; k++) t[k] = dot_zero();
+    const int MR, dot_acc (*acc)[GEMM_NR][DOT_U], int64_t m, int c, float sums[TILE_SUMS]) {
+    vf t[TILE_SUMS];
+    for (int k = MR * TILE_NR; k < TILE_SUMS; k++) t[k] = vf_zero();
     for (int i = 0; i < MR; i++)
-        for (int r = 0; r < TILE_NR; r++) { /* the accumulators added in order, as dot_total */
+        for (int r = 0; r < TILE_NR; r++) {
             dot_acc total = acc[m + i][c + r][0];
             for (int u = 1; u < DOT_U; u++) total = dot_add(total, acc[m + i][c + r][u]);
-            t[i * TILE_NR + r] = total;
+            t[i * TILE_NR + r] = dot_collapse(total);
         }
-    for (int k = 0; k < MR * TILE_NR; k += 16) dot_sum16(t + k, sums + k);
-#else
-    for (int i = 0; i < MR; i++)
-        for (int r = 0; r < TILE_NR; r++) sums[i * TILE_NR + r] = dot_total(acc[m + i][c + r]);
-#endif
+    for (int k = 0; k < MR * TILE_NR; k += VF) vf_reduce_add_each(t + k, sums + k);
 }
 
 /* Rows [m, m + MR) against weight rows [c, c + TILE_NR) of the packed block (wp
@@ -163,7 +140,7 @@ static inline __attribute__((always_inline)) void tile(
             for (int r = 0; r < TILE_NR; r++) acc[m + i][c + r][u] = a[i][r];
     }
     if (b->last) {
-        float sums[(TILE_MR * TILE_NR + 15) / 16 * 16];
+        float sums[TILE_SUMS];
         tile_sums(MR, acc, m, c, sums);
         for (int i = 0; i < MR; i++)
             for (int r = 0; r < TILE_NR && c + r < b->nr; r++)

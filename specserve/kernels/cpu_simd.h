@@ -12,12 +12,16 @@
  *   vf_load_bf16(p)                      VF bf16 values widened to fp32 (exact)
  *   vf_store_bf16(p, v)                  rounded to nearest even, NaN kept a quiet NaN (as torch)
  *   vf_reduce_add(v)                     horizontal sum, halves added pairwise
+ *   vf_reduce_add_each(v, out)           out[k] = vf_reduce_add(v[k]) for VF vectors at once,
+ *                                        bit for bit: the same additions in each lane, transposed
+ *                                        so one add serves every vector (AVX2, AVX-512)
  *
  * bf16 dot-product steps (matrix-vector products): a dot_acc sums the products of two bf16
  * vectors DOT_K values per step, always in the same order:
  *   dot_load(p)            DOT_K bf16 values as a dot_vec
  *   dot_load_tail(p, n)    the first n < DOT_K values, the rest zero
  *   dot_zero() dot_step(acc, x, w) dot_add(a, b) dot_sum(acc) -> float
+ *   dot_collapse(acc) -> vf      the vector whose vf_reduce_add is dot_sum(acc)
  * AVX-512 BF16 multiplies bf16 pairs with VDPBF16PS; AVX2 and portable C split each 16 values
  * into even and odd lanes (a shift and a mask widen bf16 to fp32 with no shuffles) with one
  * fp32 accumulator each. A dot_vec is a plain value: arrays of them hold activations converted
@@ -71,6 +75,25 @@ SIMD_INLINE float vf_reduce_add(vf v) {
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
+/* vf_reduce_add's steps (upper half onto lower, the lower the first operand) on 16 vectors:
+ * each step adds two shuffles of vector pairs, so one add serves 16 sums where vf_reduce_add
+ * spends a chain of shuffles and adds on each. */
+SIMD_INLINE void vf_reduce_add_each(const vf v[16], float out[16]) {
+    vf h[8], q[4], t[2];
+    for (int j = 0; j < 8; j++) /* [256-bit halves of v[2j] added | of v[2j + 1]] */
+        h[j] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0xEE));
+    for (int j = 0; j < 4; j++) /* 128-bit quarter k: v[4j + k]'s 128-bit halves added */
+        q[j] = _mm512_add_ps(_mm512_shuffle_f32x4(h[2 * j], h[2 * j + 1], 0x88),
+                             _mm512_shuffle_f32x4(h[2 * j], h[2 * j + 1], 0xDD));
+    for (int j = 0; j < 2; j++) /* quarter k: lanes 0 + 2, 1 + 3 of v[8j + k], of v[8j + 4 + k] */
+        t[j] = _mm512_add_ps(_mm512_shuffle_ps(q[2 * j], q[2 * j + 1], 0x44),
+                             _mm512_shuffle_ps(q[2 * j], q[2 * j + 1], 0xEE));
+    float f[16]; /* quarter k, lane e: the sum of v[4e + k] */
+    _mm512_storeu_ps(f, _mm512_add_ps(_mm512_shuffle_ps(t[0], t[1], 0x88),
+                                      _mm512_shuffle_ps(t[0], t[1], 0xDD)));
+    for (int k = 0; k < 16; k++) out[k] = f[k % 4 * 4 + k / 4];
+}
 
 #define DOT_K 32
 typedef __m512bh dot_vec;
@@ -84,7 +107,8 @@ SIMD_INLINE dot_acc dot_step(dot_acc acc, dot_vec x, dot_vec w) {
     return _mm512_dpbf16_ps(acc, x, w);
 }
 SIMD_INLINE dot_acc dot_add(dot_acc a, dot_acc b) { return _mm512_add_ps(a, b); }
-SIMD_INLINE float dot_sum(dot_acc acc) { return vf_reduce_add(acc); }
+SIMD_INLINE vf dot_collapse(dot_acc acc) { return acc; }
+SIMD_INLINE float dot_sum(dot_acc acc) { return vf_reduce_add(dot_collapse(acc)); }
 
 #elif defined(SPECSERVE_ISA_AVX2)
 #include <immintrin.h>
@@ -120,6 +144,20 @@ SIMD_INLINE float vf_reduce_add(vf v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+/* vf_reduce_add's steps on 8 vectors, as AVX-512's. */
+SIMD_INLINE void vf_reduce_add_each(const vf v[8], float out[8]) {
+    vf h[4], t[2];
+    for (int j = 0; j < 4; j++) /* [128-bit halves of v[2j] added | of v[2j + 1]] */
+        h[j] = _mm256_add_ps(_mm256_permute2f128_ps(v[2 * j], v[2 * j + 1], 0x20),
+                             _mm256_permute2f128_ps(v[2 * j], v[2 * j + 1], 0x31));
+    for (int j = 0; j < 2; j++) /* half k: lanes 0 + 2, 1 + 3 of v[4j + k], of v[4j + 2 + k] */
+        t[j] = _mm256_add_ps(_mm256_shuffle_ps(h[2 * j], h[2 * j + 1], 0x44),
+                             _mm256_shuffle_ps(h[2 * j], h[2 * j + 1], 0xEE));
+    float f[8]; /* half k, lane e: the sum of v[2e + k] */
+    _mm256_storeu_ps(f, _mm256_add_ps(_mm256_shuffle_ps(t[0], t[1], 0x88),
+                                      _mm256_shuffle_ps(t[0], t[1], 0xDD)));
+    for (int k = 0; k < 8; k++) out[k] = f[k % 2 * 4 + k / 2];
 }
 
 #define DOT_K 16
@@ -157,7 +195,8 @@ SIMD_INLINE dot_acc dot_add(dot_acc a, dot_acc b) {
     const dot_acc s = {_mm256_add_ps(a.even, b.even), _mm256_add_ps(a.odd, b.odd)};
     return s;
 }
-SIMD_INLINE float dot_sum(dot_acc acc) { return vf_reduce_add(_mm256_add_ps(acc.even, acc.odd)); }
+SIMD_INLINE vf dot_collapse(dot_acc acc) { return _mm256_add_ps(acc.even, acc.odd); }
+SIMD_INLINE float dot_sum(dot_acc acc) { return vf_reduce_add(dot_collapse(acc)); }
 
 #else /* SPECSERVE_ISA_PORTABLE */
 
@@ -193,6 +232,9 @@ SIMD_INLINE void vf_store_bf16(uint16_t *p, vf v) {
 SIMD_INLINE float vf_reduce_add(vf v) {
     return (v[0] + v[2]) + (v[1] + v[3]);
 }
+SIMD_INLINE void vf_reduce_add_each(const vf v[4], float out[4]) {
+    for (int k = 0; k < 4; k++) out[k] = vf_reduce_add(v[k]);
+}
 
 /* As AVX2: 8 bf16 values split into even and odd lanes by a shift and a mask. */
 #define DOT_K 8
@@ -224,7 +266,8 @@ SIMD_INLINE dot_acc dot_add(dot_acc a, dot_acc b) {
     const dot_acc s = {a.even + b.even, a.odd + b.odd};
     return s;
 }
-SIMD_INLINE float dot_sum(dot_acc acc) { return vf_reduce_add(acc.even + acc.odd); }
+SIMD_INLINE vf dot_collapse(dot_acc acc) { return acc.even + acc.odd; }
+SIMD_INLINE float dot_sum(dot_acc acc) { return vf_reduce_add(dot_collapse(acc)); }
 
 #endif
 
