@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 
@@ -74,6 +75,60 @@ def test_rejected_probes_back_off_and_an_accepted_one_resets():
     assert state.probe_every == PROBE_EVERY and state.steps_off == 0
 
 
+def _replay(ctl: AdaptiveController, rates: list[float], requests: int = 20, steps: int = 60,
+            seed: int = 0) -> tuple[float, float]:
+    """Requests whose depth-d token is accepted with probability rates[d - 1] (given the ones
+    before it), each drafting what ctl chooses: the share of steps that drafted, and tokens per
+    unit of time against no speculation (ctl's own cost model)."""
+    rng = random.Random(seed)
+    ratio = ctl._cost_ratio()
+    drafted = tokens = cost = 0.0
+    for r in range(requests):
+        for _ in range(steps):
+            k = ctl.mode_for(str(r)).num_tokens
+            accepted = 0
+            while accepted < k and rng.random() < rates[min(accepted, len(rates) - 1)]:
+                accepted += 1
+            ctl.observe_verdict(str(r), k, accepted)
+            drafted += k > 0
+            tokens += 1 + accepted
+            cost += 1 + k * ratio
+        ctl.forget(str(r))
+    return drafted / (requests * steps), tokens / cost
+
+
+@pytest.mark.parametrize("rate, least, most",
+                         [(0.34, 0.6, 1.0), (0.1, 0.0, 0.15), (0.8, 0.99, 1.0)])
+def test_requests_draft_while_it_pays_and_not_when_it_does_not(rate, least, most):
+    """The default model's draft on first turns: about a third of its depth-1 tokens accepted,
+    where a one-token chain costs 0.225 of a target forward and pays 1.10x. A run of rejections
+    must not stop a request for good (a moving average of weight 0.8 drafted 12% of such steps);
+    a draft accepted a tenth of the time must stay stopped; one accepted 80% of the time drafts
+    every step."""
+    ctl = AdaptiveController(engine_acceptance=[0.363, 0.282] + [0.2] * (MAX_CHAIN - 2))
+    ctl.target_time_s, ctl.draft_level_time_s = 1.0, 0.225
+    share, speed = _replay(ctl, [rate])
+    assert least <= share <= most
+    assert speed > (1.0 + rate) / 1.225 - 0.02 if rate > 0.225 else speed > 0.98
+
+
+def test_a_request_never_accepted_stops_beside_ones_that_are():
+    """The engine's rate is high (other requests are accepted 60% of the time); a request whose
+    draft is never accepted still stops, its own tries outweighing the engine's."""
+    ctl = AdaptiveController()
+    ctl.target_time_s, ctl.draft_level_time_s = 1.0, 0.225
+    _replay(ctl, [0.6], requests=10)
+    for _ in range(40):
+        mode = ctl.mode_for("never")
+        ctl.observe_verdict("never", mode.num_tokens, 0)
+    assert ctl.engine_acceptance[0] > 0.4
+    drafted = 0
+    for _ in range(PROBE_EVERY - 1):
+        drafted += ctl.mode_for("never").enabled
+        ctl.observe_verdict("never", ctl.mode_for("never").num_tokens, 0)
+    assert drafted == 0
+
+
 def test_adaptive_with_a_copy_draft_grows_its_chain(tiny_target):
     llm = LLM(tiny_target, tiny_target, speculation="adaptive")
     # A copy of the target costs what the target costs, so by measured time drafting never pays;
@@ -134,8 +189,8 @@ def test_prior_comes_from_the_draft_folder(tmp_path):
     assert acceptance_prior(tmp_path) == [0.3, 0.2] + [0.2] * (MAX_CHAIN - 2)
     # A weak draft's prior makes the first request of a fresh engine skip long chains.
     weak = AdaptiveController(engine_acceptance=acceptance_prior(tmp_path))
-    chain = best_chain_length(weak._state("r").acceptance, 0.25)
-    assert chain <= 1 < best_chain_length(AdaptiveController()._state("r").acceptance, 0.25)
+    chain = best_chain_length(weak.acceptance("r"), 0.25)
+    assert chain <= 1 < best_chain_length(AdaptiveController().acceptance("r"), 0.25)
 
 
 @pytest.mark.parametrize("text", ['{"acceptance_per_depth": [1.5]}', '{"other": 1}', "not json",
