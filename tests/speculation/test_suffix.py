@@ -92,10 +92,13 @@ def test_trees_are_valid_for_the_engine(continuations, budget):
         assert any(c[:len(path)] == path[::-1] for c in continuations)
 
 
-def test_beside_a_draft_only_long_confident_matches_are_used():
+def test_beside_a_draft_only_confident_matches_are_used():
     assert SuffixMatch(6, [[1, 2, 3]]).beats_a_draft(8)
+    assert SuffixMatch(suffix.HYBRID_MIN_MATCH, [[1, 2, 3, 4, 5]]).beats_a_draft(8)
     assert not SuffixMatch(suffix.HYBRID_MIN_MATCH - 1, [[1, 2, 3, 4, 5]]).beats_a_draft(8)
     assert not SuffixMatch(6, [[1], [2], [3], [4]]).beats_a_draft(8)  # no agreement
+    # Half the candidates agree on one token, then part ways: half a token expected.
+    assert not SuffixMatch(6, [[1, 4], [1, 5], [2, 6], [3, 7]]).beats_a_draft(8)
 
 
 def test_proposer_records_each_request_and_keeps_finished_ones():
@@ -131,21 +134,27 @@ def test_suffix_beside_the_draft_uses_the_store_only_where_text_repeats(tiny_tar
 
 
 def test_beside_a_draft_that_does_not_pay_any_match_drafts(tiny_target, tiny_draft):
-    """suffix+adaptive: a short match loses to a draft that is drafting, but where adaptive
-    has stopped drafting (its draft does not pay) the store's guess costs only its verified
-    rows, so it is used, as `suffix` alone would; no match runs the fallback's choice."""
-    engine = LLM(tiny_target, tiny_draft, speculation="suffix+adaptive").engine
-    engine.suffix.finish("earlier", [5, 6, 7, 8, 9, 10, 11, 12])
-    short = SimpleNamespace(request_id="r", all_token_ids=[1, 2, 7, 8], speculation=None)
+    """suffix+adaptive: a weak match (its candidates disagree) loses to a draft that is
+    drafting, but where adaptive has stopped drafting (its draft does not pay) the store's
+    guess costs only its verified rows, so it is used, as `suffix` alone would; no match runs
+    the fallback's choice."""
+    earlier = [[5, 6, 7, 8, 9, 10], [4, 7, 8, 9, 11], [3, 7, 8, 30, 31], [2, 7, 8, 40, 41]]
+    weak = SimpleNamespace(request_id="r", all_token_ids=[1, 99, 7, 8], speculation=None)
     alone = SimpleNamespace(request_id="s", all_token_ids=[1, 2, 3], speculation=None)
-    assert 0 < engine.suffix.lookup("r", short.all_token_ids).match_length < suffix.HYBRID_MIN_MATCH
 
-    engine.adaptive.engine_acceptance = [0.0] * MAX_CHAIN  # new requests: nothing accepted
-    assert engine._mode(short).kind is SpecKind.SUFFIX
+    def engine_with_store(acceptance: float):
+        engine = LLM(tiny_target, tiny_draft, speculation="suffix+adaptive").engine
+        for i, tokens in enumerate(earlier):
+            engine.suffix.finish(f"earlier{i}", tokens)
+        engine.adaptive.engine_acceptance = [acceptance] * MAX_CHAIN  # new requests start here
+        return engine
+
+    engine = engine_with_store(0.0)  # nothing accepted: adaptive does not draft
+    match = engine.suffix.lookup("r", weak.all_token_ids)
+    assert match.match_length >= suffix.HYBRID_MIN_MATCH and not match.beats_a_draft(8)
+    assert engine._mode(weak).kind is SpecKind.SUFFIX
     assert not engine._mode(alone).enabled
 
-    paying = LLM(tiny_target, tiny_draft, speculation="suffix+adaptive").engine
-    paying.suffix.finish("earlier", [5, 6, 7, 8, 9, 10, 11, 12])
-    paying.adaptive.engine_acceptance = [0.95] * MAX_CHAIN
+    paying = engine_with_store(0.95)
     paying.adaptive.target_time_s, paying.adaptive.draft_level_time_s = 1.0, 0.05
-    assert paying._mode(short).kind is SpecKind.CHAIN
+    assert paying._mode(weak).kind is SpecKind.CHAIN
