@@ -507,8 +507,10 @@ class EngineCore:
         stats.num_steps += 1
         for phase, seconds in laps.items():
             setattr(stats, f"{phase}_time_s", getattr(stats, f"{phase}_time_s") + seconds)
-        self.adaptive.observe_step(laps["target_forward"],
-                                   sum(len(seg.token_ids) for seg in segments),
+        # A verified row costs beyond the target forward too (its logits checked, its KV moved
+        # on acceptance): the chain's cost model sees the whole step outside drafting.
+        self.adaptive.observe_step(laps["schedule"] + laps["target_forward"] + laps["verify"]
+                                   + laps["commit"], sum(len(seg.token_ids) for seg in segments),
                                    draft.levels_time_s if draft else 0.0,
                                    draft.num_levels if draft else 0)
 

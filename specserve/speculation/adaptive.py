@@ -9,13 +9,15 @@ on average
 
 and costs about T_target + k * (T_draft + T_row), so the controller picks the k in
 0..MAX_CHAIN with the most expected tokens per second (k = 0: no speculation this step).
-T_target is the measured target forward of recent decode steps; T_row what one more query row
-adds to it, the slope of a running least-squares fit of forward time against rows per forward
-(near 0 on a GPU, where verifying a few dozen rows costs about one; clearly not on a CPU, where
-every row is compute). T_draft is measured on the draft forwards of steps that draft: a chain of
-k runs k of them, the catch-up forward that yields depth 1 among them, except where that one
-carries more than the tokens the last step committed (prompt chunks in a batch, or the tokens of
-steps without drafts: a probe's cost, which backing off bounds).
+T_target is the measured time of recent decode steps outside drafting (scheduling, the target
+forward, verification and commit: all that a step without a draft costs); T_row what one more
+query row adds to it, the slope of a running least-squares fit of that time against rows per
+forward (near 0 on a GPU, where verifying a few dozen rows costs about one; clearly not on a
+CPU, where every row is compute). T_draft is measured on the draft stages of steps that draft: a
+chain of k runs k draft forwards, the catch-up forward that yields depth 1 among them, and picks
+between them, except where the catch-up carries more than the tokens the last step committed
+(prompt chunks in a batch, or the tokens of steps without drafts: a probe's cost, which backing
+off bounds), when only the deeper levels' forwards are timed.
 
 Each a_d is a request's accepted and tried tokens at depth d, counted with weights that fall by
 DECAY at each of its drafting steps (so text that turns predictable, code or quotes, lengthens its
@@ -99,8 +101,9 @@ class AdaptiveController:
 
     def observe_step(self, target_time_s: float, target_rows: int, levels_time_s: float,
                      draft_levels: int) -> None:
-        """Timing of one engine step: its target forward over `target_rows` query rows, and its
-        tree-growing draft forwards. Steps with long prompt chunks say little about decode."""
+        """Timing of one engine step: its time outside drafting, with a target forward over
+        `target_rows` query rows, and its draft levels. Steps with long prompt chunks say little
+        about decode."""
         if target_rows <= MAX_FIT_ROWS:
             self.target_time_s = _ewma(self.target_time_s, target_time_s)
             point = [target_rows, target_time_s, target_rows ** 2, target_rows * target_time_s]
