@@ -81,9 +81,9 @@ class _RequestState:
 
 @dataclass
 class AdaptiveController:
-    target_time_s: float | None = None  # EWMA of one target forward
-    draft_level_time_s: float | None = None  # EWMA of one draft forward level
-    # Running moments of (rows, seconds) of target forwards, for the time one row adds.
+    target_time_s: float | None = None  # EWMA of a decode step outside drafting
+    draft_level_time_s: float | None = None  # EWMA of one draft level (its share of the stage)
+    # Running moments of (rows, seconds) of steps outside drafting, for the time one row adds.
     _fit: list[float] | None = None  # E[x], E[y], E[x^2], E[xy]
     engine_acceptance: list[float] = field(  # a_1 .. a_MAX_CHAIN over every request
         default_factory=lambda: [PRIOR_ACCEPTANCE] * MAX_CHAIN)
@@ -164,8 +164,8 @@ class AdaptiveController:
         return max(0.0, (mean_xy - mean_x * mean_y) / var) if var > 0.25 else 0.0
 
     def _cost_ratio(self) -> float:
-        """Cost of one more chain token (a draft level and a verified row) relative to one
-        target forward (0.25 until measured)."""
+        """Cost of one more chain token (a draft level and a verified row) relative to a
+        step without a draft (0.25 until measured)."""
         if not self.target_time_s or self.draft_level_time_s is None:
             return 0.25
         return (self.draft_level_time_s + self.row_time_s()) / self.target_time_s
