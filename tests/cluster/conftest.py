@@ -48,7 +48,6 @@ def serve_cluster(tiny_target: Path, **overrides):
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     gateway = thread = None
     try:
-        port = free_port()
         serve.start(proxy_location="Disabled")
         options = dict(  # noqa: C408
             engine_options={"target": str(tiny_target), "draft": str(tiny_target),
@@ -59,13 +58,20 @@ def serve_cluster(tiny_target: Path, **overrides):
             cpus_per_replica=0.5, stats_period_s=0.2, drain_timeout_s=2)
         options = ClusterOptions(**{**options, **overrides})
         serve.run(build_application(options), name=APP, route_prefix=None)
-        gateway = gateway_server(APP, options, "127.0.0.1", port, log_level="warning")
-        thread = threading.Thread(target=gateway.run, name="gateway", daemon=True)
-        thread.start()
-        deadline = time.monotonic() + 30
-        while not gateway.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "the gateway did not start"
-            time.sleep(0.05)
+        # A free port can be taken between the probe and the gateway's bind (Ray's processes
+        # bind ports of their own): a gateway that exits before it starts tries another.
+        for _ in range(3):
+            port = free_port()
+            gateway = gateway_server(APP, options, "127.0.0.1", port, log_level="warning")
+            thread = threading.Thread(target=gateway.run, name="gateway", daemon=True)
+            thread.start()
+            deadline = time.monotonic() + 30
+            while not gateway.started and thread.is_alive():
+                assert time.monotonic() < deadline, "the gateway did not start"
+                time.sleep(0.05)
+            if gateway.started:
+                break
+        assert gateway.started, "the gateway could not bind a port"
         yield Cluster(port)
     finally:
         if thread is not None:
