@@ -50,12 +50,15 @@ static inline void store(Output o, int64_t y_index, int64_t column, float value)
     else o.f32[y_index] = value;
 }
 
-/* The DOT_U accumulators of one output, added in order and summed. */
-static inline float dot_total(const dot_acc acc[DOT_U]) {
+/* The DOT_U accumulators of one output, added in order. */
+static inline dot_acc dot_merged(const dot_acc acc[DOT_U]) {
     dot_acc total = acc[0];
     for (int u = 1; u < DOT_U; u++) total = dot_add(total, acc[u]);
-    return dot_sum(total);
+    return total;
 }
+
+/* The DOT_U accumulators of one output, added in order and summed. */
+static inline float dot_total(const dot_acc acc[DOT_U]) { return dot_sum(dot_merged(acc)); }
 
 /* Step s of a row of K values (n < DOT_K values in the tail step, zero-padded). */
 static inline dot_vec dot_load_step(const uint16_t *row, int64_t s, int64_t K) {

@@ -82,11 +82,8 @@ static inline __attribute__((always_inline)) void tile_sums(
     vf t[TILE_SUMS];
     for (int k = MR * TILE_NR; k < TILE_SUMS; k++) t[k] = vf_zero();
     for (int i = 0; i < MR; i++)
-        for (int r = 0; r < TILE_NR; r++) {
-            dot_acc total = acc[m + i][c + r][0];
-            for (int u = 1; u < DOT_U; u++) total = dot_add(total, acc[m + i][c + r][u]);
-            t[i * TILE_NR + r] = dot_collapse(total);
-        }
+        for (int r = 0; r < TILE_NR; r++)
+            t[i * TILE_NR + r] = dot_collapse(dot_merged(acc[m + i][c + r]));
     for (int k = 0; k < MR * TILE_NR; k += VF) vf_reduce_add_each(t + k, sums + k);
 }
 
