@@ -36,7 +36,7 @@ from ..speculation.proposers import (
     Proposer,
     ProposerInput,
 )
-from ..speculation.suffix import SuffixProposer
+from ..speculation.suffix import SuffixMatch, SuffixProposer
 from ..speculation.tree import TokenTree, build_tree_buffers, node_depths
 from ..speculation.verify import Verdict, verify_greedy, verify_sampled
 from ..structured.compiler import GrammarCompiler
@@ -192,13 +192,23 @@ class EngineCore:
         if mode.fallback is None:
             return mode if match.match_length else OFF
         if match.beats_a_draft(mode.num_tokens):
-            return replace(mode, fallback=None)
+            from_store = self._suffix_step(mode, match)
+            if from_store.enabled:
+                return from_store
         fallback = self._resolved(req, mode.fallback)
         # Where the draft would not draft this step (adaptive found it does not pay), any
-        # match is better than nothing: it costs only its verified rows, as `suffix` alone.
+        # match is better than nothing if its verified rows pay, as `suffix` alone.
         if not fallback.enabled and match.match_length:
-            return replace(mode, fallback=None)
+            return self._suffix_step(mode, match)
         return fallback
+
+    def _suffix_step(self, mode: SpecMode, match: SuffixMatch) -> SpecMode:
+        """suffix:K+MODE drafting from the store this step: with an adaptive MODE, the tree's
+        nodes that pay for their rows (adaptive.suffix_nodes; OFF where none does)."""
+        if not mode.fallback.is_adaptive:
+            return replace(mode, fallback=None)
+        nodes = self.adaptive.suffix_nodes(match.match_length, mode.num_tokens)
+        return replace(mode, num_tokens=nodes, fallback=None) if nodes else OFF
 
     def _resolved(self, req: Request, mode: SpecMode) -> SpecMode:
         return self.adaptive.mode_for(req.request_id) if mode.is_adaptive else mode
@@ -448,6 +458,11 @@ class EngineCore:
                                               and configured.fallback.is_adaptive)
         if item.num_new_tokens == 1 and adaptive and mode.kind is not SpecKind.SUFFIX:
             self.adaptive.observe_verdict(req.request_id, len(tree) - 1, len(accepted))
+        elif adaptive and mode.kind is SpecKind.SUFFIX and len(tree) > 1:
+            # The store's acceptance by match length sizes its later trees (suffix_nodes).
+            match = self.suffix.lookup(req.request_id, req.all_token_ids)
+            self.adaptive.observe_suffix(match.match_length, max(node_depths(tree.parents)),
+                                         len(accepted))
         req.spec.num_target_steps += 1
 
     def _commit_tokens(self, req: Request, tree: TokenTree, verdict: Verdict) -> list[int]:

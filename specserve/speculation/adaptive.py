@@ -41,12 +41,26 @@ one accepted resets it, so a draft that rarely agrees costs next to nothing (a p
 draft forward and its extra verified row cost about half a target forward on a small CPU
 model).
 
+Suffix drafting beside the draft (`suffix+adaptive`, the default mode) is sized the same way. Its
+tree costs no draft forward, only its verified rows, so where a row is cheap (a GPU, a CPU whose
+few-row products stay memory-bound) every candidate node is worth verifying; where it is not (a
+2-vCPU Sapphire Rapids class Xeon with the default model's weights in its L3: one more row adds
+0.5-1 ms to a 3.5-4 ms step), an 8-node tree from a two-token match, about one token accepted,
+costs more than it saves. There, on 8 held-out questions x 64 tokens (6 alternated rounds, prompts
+included), the default mode ran 0.95-0.98x `off` on first turns with every node verified and
+0.98-1.00x sized as below; second turns 1.09-1.15x and 1.12-1.14x. `suffix_nodes` takes the k of
+the store's best-first nodes with the most expected tokens per second (`best_chain_length` at the
+row's cost alone), from acceptance per depth counted like the engine's for the draft, apart for
+each bucket of match length (SUFFIX_BUCKETS: a long match is followed far more often than a short
+one), each starting as SUFFIX_PRIOR_WEIGHT tries at SUFFIX_PRIOR_ACCEPTANCE.
+
 The choice is a pure function of state that changes only after verification, so the scheduler
 (which reserves KV slots) and the proposer (which drafts) see the same mode within a step.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 from dataclasses import dataclass, field
@@ -65,6 +79,11 @@ ENGINE_PRIOR_WEIGHT = 20.0  # the prior counts as this many of the engine's trie
 TIME_DECAY = 0.8  # weight of the old timing estimate per step
 PROBE_EVERY = 16
 MAX_PROBE_EVERY = 256
+# Suffix matches by length: bucket i holds matches of SUFFIX_BUCKETS[i] tokens up to the next.
+SUFFIX_BUCKETS = (1, 2, 4, 8)
+SUFFIX_MAX_NODES = 64  # the largest suffix tree a mode may ask for (suffix:64)
+SUFFIX_PRIOR_ACCEPTANCE = 0.5
+SUFFIX_PRIOR_WEIGHT = 10.0
 MAX_FIT_ROWS = 64  # target forwards with more query rows (prompt chunks) stay out of the fit
 FIT_DECAY = 0.95
 
@@ -90,6 +109,12 @@ class AdaptiveController:
     _engine_tries: list[float] = field(  # the weight behind each of them
         default_factory=lambda: [ENGINE_PRIOR_WEIGHT] * MAX_CHAIN)
     _requests: dict[str, _RequestState] = field(default_factory=dict)
+    # Per SUFFIX_BUCKETS bucket: the store's nodes' acceptance at depth 1..SUFFIX_MAX_NODES and
+    # the weight behind each.
+    _suffix_acceptance: list[list[float]] = field(default_factory=lambda: [
+        [SUFFIX_PRIOR_ACCEPTANCE] * SUFFIX_MAX_NODES for _ in SUFFIX_BUCKETS])
+    _suffix_tries: list[list[float]] = field(default_factory=lambda: [
+        [SUFFIX_PRIOR_WEIGHT] * SUFFIX_MAX_NODES for _ in SUFFIX_BUCKETS])
 
     def mode_for(self, request_id: str) -> SpecMode:
         """The mode a request runs this step: `chain:k` or off."""
@@ -141,10 +166,22 @@ class AdaptiveController:
             hit = 1.0 if depth < num_accepted else 0.0
             state.accepted[depth] += hit
             state.tried[depth] += 1.0
-            weight = ENGINE_DECAY * self._engine_tries[depth]
-            self.engine_acceptance[depth] = ((weight * self.engine_acceptance[depth] + hit)
-                                             / (weight + 1.0))
-            self._engine_tries[depth] = weight + 1.0
+        _count_tries(self.engine_acceptance, self._engine_tries, tried, num_accepted)
+
+    def suffix_nodes(self, match_length: int, budget: int) -> int:
+        """How many of a suffix match's best-first tree nodes (at most `budget`) to verify this
+        step: 0 where not even one pays for its row."""
+        if not self.target_time_s:
+            return budget  # nothing measured yet: rows are taken as free
+        rates = self._suffix_acceptance[_suffix_bucket(match_length)][:budget]
+        return best_chain_length(rates, self.row_time_s() / self.target_time_s)
+
+    def observe_suffix(self, match_length: int, depth: int, num_accepted: int) -> None:
+        """After a step that drafted a suffix tree `depth` nodes deep from a match of
+        `match_length` tokens: depths 1..accepted+1 were tried, the first `accepted` passed."""
+        bucket = _suffix_bucket(match_length)
+        _count_tries(self._suffix_acceptance[bucket], self._suffix_tries[bucket],
+                     min(depth, num_accepted + 1, SUFFIX_MAX_NODES), num_accepted)
 
     def forget(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
@@ -202,6 +239,20 @@ def acceptance_prior(draft_dir: str | Path | None) -> list[float]:
                          f"[0, 1], got {rates!r}")
     rates = [float(a) for a in rates[:MAX_CHAIN]]
     return rates + [rates[-1]] * (MAX_CHAIN - len(rates))
+
+
+def _count_tries(rates: list[float], tries: list[float], tried: int, accepted: int) -> None:
+    """Depths 1..tried were tried and the first `accepted` passed: each depth's rate moves by
+    one observation, its older ones weighing ENGINE_DECAY less."""
+    for depth in range(tried):
+        weight = ENGINE_DECAY * tries[depth]
+        hit = 1.0 if depth < accepted else 0.0
+        rates[depth] = (weight * rates[depth] + hit) / (weight + 1.0)
+        tries[depth] = weight + 1.0
+
+
+def _suffix_bucket(match_length: int) -> int:
+    return max(0, bisect.bisect_right(SUFFIX_BUCKETS, match_length) - 1)
 
 
 def _ewma(old: float | None, new: float) -> float:

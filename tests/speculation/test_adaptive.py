@@ -14,6 +14,7 @@ from specserve.speculation.adaptive import (
     PRIOR_ACCEPTANCE,
     PRIOR_FILE,
     PROBE_EVERY,
+    SUFFIX_MAX_NODES,
     AdaptiveController,
     acceptance_prior,
     best_chain_length,
@@ -180,6 +181,31 @@ def test_row_cost_is_fitted_from_forwards_of_varying_size_and_shortens_chains():
     assert ctl.row_time_s() == pytest.approx(0.002, rel=1e-6)
     cheap_rows = best_chain_length(acceptance, 0.0005 / ctl.target_time_s)
     assert best_chain_length(acceptance, ctl._cost_ratio()) < cheap_rows
+
+
+def _rows_cost(ctl: AdaptiveController, step_s: float, row_s: float) -> None:
+    for rows in [1, 2, 3, 1, 2, 4] * 4:
+        ctl.observe_step(step_s + row_s * rows, rows, 0.0, 0)
+
+
+def test_suffix_trees_keep_the_nodes_that_pay_for_their_rows():
+    ctl = AdaptiveController()
+    assert ctl.suffix_nodes(2, 8) == 8  # nothing measured: every node is verified
+    _rows_cost(ctl, 0.004, 0.000001)  # rows nearly free: even depth 8's 0.5^8 pays
+    assert ctl.suffix_nodes(2, 8) == 8
+    _rows_cost(ctl, 0.004, 0.001)  # a row costs a quarter of a step
+    short = ctl.suffix_nodes(2, 8)
+    assert 0 < short < 8
+    # Short matches turn out to be followed rarely, long ones nearly always.
+    for _ in range(200):
+        ctl.observe_suffix(2, short, 0)
+        ctl.observe_suffix(12, 8, 8)
+    assert ctl.suffix_nodes(2, 8) == 0
+    assert ctl.suffix_nodes(3, 8) == 0  # the same bucket of lengths
+    assert ctl.suffix_nodes(12, 8) == 8
+    assert ctl.suffix_nodes(12, 3) == 3  # never past the mode's budget
+    assert ctl.suffix_nodes(1, 8) == short  # another bucket: still the prior
+    ctl.observe_suffix(40, SUFFIX_MAX_NODES + 10, SUFFIX_MAX_NODES + 10)  # deeper than counted
 
 
 def test_prior_comes_from_the_draft_folder(tmp_path):

@@ -136,8 +136,8 @@ def test_suffix_beside_the_draft_uses_the_store_only_where_text_repeats(tiny_tar
 def test_beside_a_draft_that_does_not_pay_any_match_drafts(tiny_target, tiny_draft):
     """suffix+adaptive: a weak match (its candidates disagree) loses to a draft that is
     drafting, but where adaptive has stopped drafting (its draft does not pay) the store's
-    guess costs only its verified rows, so it is used, as `suffix` alone would; no match runs
-    the fallback's choice."""
+    guess costs only its verified rows, so it is used, as `suffix` alone would, unless those
+    rows do not pay either; no match runs the fallback's choice."""
     earlier = [[5, 6, 7, 8, 9, 10], [4, 7, 8, 9, 11], [3, 7, 8, 30, 31], [2, 7, 8, 40, 41]]
     weak = SimpleNamespace(request_id="r", all_token_ids=[1, 99, 7, 8], speculation=None)
     alone = SimpleNamespace(request_id="s", all_token_ids=[1, 2, 3], speculation=None)
@@ -154,6 +154,14 @@ def test_beside_a_draft_that_does_not_pay_any_match_drafts(tiny_target, tiny_dra
     assert match.match_length >= suffix.HYBRID_MIN_MATCH and not match.beats_a_draft(8)
     assert engine._mode(weak).kind is SpecKind.SUFFIX
     assert not engine._mode(alone).enabled
+
+    # Where a verified row costs a quarter of a step and the store's short matches are
+    # rarely followed, they are not worth their rows either: neither drafts.
+    for rows in [1, 2, 3, 1, 2, 4] * 4:
+        engine.adaptive.observe_step(0.004 + 0.001 * rows, rows, 0.0, 0)
+    for _ in range(100):
+        engine.adaptive.observe_suffix(match.match_length, 4, 0)
+    assert not engine._mode(weak).enabled
 
     paying = engine_with_store(0.95)
     paying.adaptive.target_time_s, paying.adaptive.draft_level_time_s = 1.0, 0.05
