@@ -9,11 +9,16 @@ on average
 
 and costs about T_target + k * (T_draft + T_row), so the controller picks the k in
 0..MAX_CHAIN with the most expected tokens per second (k = 0: no speculation this step).
-T_target is the measured time of recent decode steps outside drafting (scheduling, the target
+T_target is the time of a recent one-row decode step outside drafting (scheduling, the target
 forward, verification and commit: all that a step without a draft costs); T_row what one more
 query row adds to it, the slope of a running least-squares fit of that time against rows per
 forward (near 0 on a GPU, where verifying a few dozen rows costs about one; clearly not on a
-CPU, where every row is compute). T_draft is measured on the draft stages of steps that draft: a
+CPU, where every row is compute), and T_target that fit's value at one row. The slope is kept
+from the last steps whose rows varied: a run of steps without drafts has one row each and says
+nothing of it. (Reading such a run as free rows, as a first version did, lowered the cost just
+after every run of steps off, so on a CPU where a chain:1 does not pay the default model started
+chains that it then stopped again: 30% of first-turn steps drafted on a 2-vCPU Sapphire Rapids
+class Xeon, about 6% lost against `off`.) T_draft is measured on the draft stages of steps that draft: a
 chain of k runs k draft forwards, the catch-up forward that yields depth 1 among them, and picks
 between them, except where the catch-up carries more than the tokens the last step committed
 (prompt chunks in a batch, or the tokens of steps without drafts: a probe's cost, which backing
@@ -104,6 +109,7 @@ class AdaptiveController:
     draft_level_time_s: float | None = None  # EWMA of one draft level (its share of the stage)
     # Running moments of (rows, seconds) of steps outside drafting, for the time one row adds.
     _fit: list[float] | None = None  # E[x], E[y], E[x^2], E[xy]
+    _row_time_s: float = 0.0  # the fit's slope, the last time the rows varied enough to tell
     engine_acceptance: list[float] = field(  # a_1 .. a_MAX_CHAIN over every request
         default_factory=lambda: [PRIOR_ACCEPTANCE] * MAX_CHAIN)
     _engine_tries: list[float] = field(  # the weight behind each of them
@@ -134,6 +140,10 @@ class AdaptiveController:
             point = [target_rows, target_time_s, target_rows ** 2, target_rows * target_time_s]
             self._fit = point if self._fit is None else [
                 FIT_DECAY * old + (1 - FIT_DECAY) * new for old, new in zip(self._fit, point)]
+            mean_x, mean_y, mean_xx, mean_xy = self._fit
+            var = mean_xx - mean_x ** 2
+            if var > 0.25:
+                self._row_time_s = max(0.0, (mean_xy - mean_x * mean_y) / var)
         if draft_levels:
             self.draft_level_time_s = _ewma(self.draft_level_time_s, levels_time_s / draft_levels)
 
@@ -171,10 +181,11 @@ class AdaptiveController:
     def suffix_nodes(self, match_length: int, budget: int) -> int:
         """How many of a suffix match's best-first tree nodes (at most `budget`) to verify this
         step: 0 where not even one pays for its row."""
-        if not self.target_time_s:
+        step = self.step_time_s()
+        if not step:
             return budget  # nothing measured yet: rows are taken as free
         rates = self._suffix_acceptance[_suffix_bucket(match_length)][:budget]
-        return best_chain_length(rates, self.row_time_s() / self.target_time_s)
+        return best_chain_length(rates, self.row_time_s() / step)
 
     def observe_suffix(self, match_length: int, depth: int, num_accepted: int) -> None:
         """After a step that drafted a suffix tree `depth` nodes deep from a match of
@@ -194,18 +205,23 @@ class AdaptiveController:
 
     def row_time_s(self) -> float:
         """What one more query row adds to a target forward (0 until rows have varied)."""
+        return self._row_time_s
+
+    def step_time_s(self) -> float | None:
+        """A one-row step outside drafting: the fit at one row (the average of recent steps
+        includes drafting steps' verified rows); None until measured."""
         if self._fit is None:
-            return 0.0
-        mean_x, mean_y, mean_xx, mean_xy = self._fit
-        var = mean_xx - mean_x ** 2
-        return max(0.0, (mean_xy - mean_x * mean_y) / var) if var > 0.25 else 0.0
+            return self.target_time_s
+        mean_x, mean_y = self._fit[:2]
+        return max(mean_y - self._row_time_s * (mean_x - 1.0), 0.0) or self.target_time_s
 
     def _cost_ratio(self) -> float:
         """Cost of one more chain token (a draft level and a verified row) relative to a
         step without a draft (0.25 until measured)."""
-        if not self.target_time_s or self.draft_level_time_s is None:
+        step = self.step_time_s()
+        if not step or self.draft_level_time_s is None:
             return 0.25
-        return (self.draft_level_time_s + self.row_time_s()) / self.target_time_s
+        return (self.draft_level_time_s + self.row_time_s()) / step
 
 
 def best_chain_length(acceptance: list[float], draft_cost_ratio: float) -> int:

@@ -179,8 +179,14 @@ def test_row_cost_is_fitted_from_forwards_of_varying_size_and_shortens_chains():
     # Prompt chunks stay out of the fit.
     ctl.observe_step(1.0, 500, 0.0, 0)
     assert ctl.row_time_s() == pytest.approx(0.002, rel=1e-6)
-    cheap_rows = best_chain_length(acceptance, 0.0005 / ctl.target_time_s)
+    assert ctl.step_time_s() == pytest.approx(0.012, rel=1e-6)  # the fit at one row
+    cheap_rows = best_chain_length(acceptance, 0.0005 / ctl.step_time_s())
     assert best_chain_length(acceptance, ctl._cost_ratio()) < cheap_rows
+    # A long run of one-row steps (no drafts) says nothing of a row's cost: it is kept.
+    for _ in range(200):
+        ctl.observe_step(0.012, 1, 0.0, 0)
+    assert ctl.row_time_s() == pytest.approx(0.002, rel=1e-6)
+    assert ctl.step_time_s() == pytest.approx(0.012, rel=1e-3)
 
 
 def _rows_cost(ctl: AdaptiveController, step_s: float, row_s: float) -> None:
