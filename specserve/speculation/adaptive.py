@@ -10,19 +10,20 @@ on average
 and costs about T_target + k * (T_draft + T_row), so the controller picks the k in
 0..MAX_CHAIN with the most expected tokens per second (k = 0: no speculation this step).
 T_target is the time of a recent one-row decode step outside drafting (scheduling, the target
-forward, verification and commit: all that a step without a draft costs); T_row what one more
-query row adds to it, the slope of a running least-squares fit of that time against rows per
-forward (near 0 on a GPU, where verifying a few dozen rows costs about one; clearly not on a
-CPU, where every row is compute), and T_target that fit's value at one row. The slope is kept
-from the last steps whose rows varied: a run of steps without drafts has one row each and says
-nothing of it. (Reading such a run as free rows, as a first version did, lowered the cost just
-after every run of steps off, so on a CPU where a chain:1 does not pay the default model started
-chains that it then stopped again: 30% of first-turn steps drafted on a 2-vCPU Sapphire Rapids
-class Xeon, about 6% lost against `off`.) T_draft is measured on the draft stages of steps that draft: a
+forward, verification and commit: all that a step without a draft costs); T_row what one more query
+row adds to it, the slope of a running least-squares fit of that time against rows per forward
+(near 0 on a GPU, where verifying a few dozen rows costs about one; clearly not on a CPU, where
+every row is compute), and T_target that fit's value at one row. The slope is kept from the last
+steps whose rows varied: a run of steps without drafts has one row each and says nothing of it.
+(Reading such a run as free rows, as a first version did, lowered the cost just after every run of
+steps off, so on a CPU where a chain:1 does not pay the default model started chains that it then
+stopped again: 32% of first-turn steps drafted on a 2-vCPU Sapphire Rapids class Xeon, and the
+default mode ran 0.95-1.01x `off` against 0.97-1.03x with 17% drafted now; 8 held-out questions x
+64 tokens, 6 alternated rounds.) T_draft is measured on the draft stages of steps that draft: a
 chain of k runs k draft forwards, the catch-up forward that yields depth 1 among them, and picks
 between them, except where the catch-up carries more than the tokens the last step committed
-(prompt chunks in a batch, or the tokens of steps without drafts: a probe's cost, which backing
-off bounds), when only the deeper levels' forwards are timed.
+(prompt chunks in a batch, or the tokens of steps without drafts: a probe's cost, which backing off
+bounds), when only the deeper levels' forwards are timed.
 
 Each a_d is a request's accepted and tried tokens at depth d, counted with weights that fall by
 DECAY at each of its drafting steps (so text that turns predictable, code or quotes, lengthens its
