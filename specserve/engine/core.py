@@ -523,9 +523,14 @@ class EngineCore:
         for phase, seconds in laps.items():
             setattr(stats, f"{phase}_time_s", getattr(stats, f"{phase}_time_s") + seconds)
         # A verified row costs beyond the target forward too (its logits checked, its KV moved
-        # on acceptance): the chain's cost model sees the whole step outside drafting.
+        # on acceptance): the chain's cost model sees the whole step outside drafting, of steps
+        # whose rows are all decode and verify rows (a prompt's rows cost what they cost in
+        # the prompt's products, not what a verified row adds).
+        decoding = all(item.num_new_tokens == 1 for item in scheduled)
         self.adaptive.observe_step(laps["schedule"] + laps["target_forward"] + laps["verify"]
-                                   + laps["commit"], sum(len(seg.token_ids) for seg in segments),
+                                   + laps["commit"],
+                                   sum(len(seg.token_ids) for seg in segments) if decoding
+                                   else None,
                                    draft.levels_time_s if draft else 0.0,
                                    draft.num_levels if draft else 0)
 

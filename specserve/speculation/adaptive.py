@@ -90,7 +90,7 @@ SUFFIX_BUCKETS = (1, 2, 4, 8)
 SUFFIX_MAX_NODES = 64  # the largest suffix tree a mode may ask for (suffix:64)
 SUFFIX_PRIOR_ACCEPTANCE = 0.5
 SUFFIX_PRIOR_WEIGHT = 10.0
-MAX_FIT_ROWS = 64  # target forwards with more query rows (prompt chunks) stay out of the fit
+MAX_FIT_ROWS = 64  # target forwards with more query rows (large batches) stay out of the fit
 FIT_DECAY = 0.95
 
 
@@ -131,12 +131,12 @@ class AdaptiveController:
             k = 1
         return SpecMode(SpecKind.CHAIN, k) if k else OFF
 
-    def observe_step(self, target_time_s: float, target_rows: int, levels_time_s: float,
-                     draft_levels: int) -> None:
+    def observe_step(self, target_time_s: float, target_rows: int | None,
+                     levels_time_s: float, draft_levels: int) -> None:
         """Timing of one engine step: its time outside drafting, with a target forward over
-        `target_rows` query rows, and its draft levels. Steps with long prompt chunks say little
-        about decode."""
-        if target_rows <= MAX_FIT_ROWS:
+        `target_rows` query rows (None: a step that carries prompt tokens, which says little
+        about decode), and its draft levels."""
+        if target_rows is not None and target_rows <= MAX_FIT_ROWS:
             self.target_time_s = _ewma(self.target_time_s, target_time_s)
             point = [target_rows, target_time_s, target_rows ** 2, target_rows * target_time_s]
             self._fit = point if self._fit is None else [

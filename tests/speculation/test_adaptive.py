@@ -176,7 +176,9 @@ def test_row_cost_is_fitted_from_forwards_of_varying_size_and_shortens_chains():
     for rows in [1, 3, 5, 2, 4, 6, 1, 5] * 4:  # 10 ms + 2 ms per row; drafts 0.5 ms a level
         ctl.observe_step(0.010 + 0.002 * rows, rows, 0.0005, 1)
     assert ctl.row_time_s() == pytest.approx(0.002, rel=1e-6)
-    # Prompt chunks stay out of the fit.
+    # Steps that carry prompt tokens (the engine passes no rows) and forwards of more rows
+    # than a decode batch's stay out of the fit.
+    ctl.observe_step(0.040, None, 0.0, 0)
     ctl.observe_step(1.0, 500, 0.0, 0)
     assert ctl.row_time_s() == pytest.approx(0.002, rel=1e-6)
     assert ctl.step_time_s() == pytest.approx(0.012, rel=1e-6)  # the fit at one row
