@@ -477,8 +477,8 @@ static inline float block_update(int fmt, float acc, int32_t isa, int32_t isb, c
 
 /* One activation row (kp fp32 values, whole blocks) to integer blocks, as the header defines:
  * levels L = 127 (act ACT_Q8) or 32767 (ACT_Q16), stored as int16 when `wide` (always for
- * ACT_Q16; the tiled order's kernel multiplies int16 pairs, so it takes Q8 values as int16
- * too), else int8. |x * id| <= L (1 + 2^-23)^2, so every value rounds into [-L, L]; rounding is
+ * ACT_Q16; the tiled order's kernels multiply int16 pairs, so they take Q8 values as int16
+ * too, except AVX-512's for Q4_0 / Q4_1, which multiplies bytes), else int8. |x * id| <= L (1 + 2^-23)^2, so every value rounds into [-L, L]; rounding is
  * the default mode's, half to even (lrintf, or cvtps2dq under the default MXCSR). */
 static void quantize_row(const float *x, int64_t nb, const int act, const int wide, void *q,
                          float *d, float *s, int32_t *sum) {
@@ -532,6 +532,21 @@ static void quantize_row(const float *x, int64_t nb, const int act, const int wi
         d[b] = db;
         sum[b] = total;
         s[b] = db * (float)total;
+    }
+}
+
+/* Each block of a row of nb byte activations from k order to the order of a tiled 4-bit word's
+ * nibbles (group_micro_kernel_q8): bytes 4j .. 4j + 3 hold x 2j, 2j + 1, 2j + 16, 2j + 17. */
+static void nibble_order(int8_t *q, int64_t nb) {
+    for (int64_t b = 0; b < nb; b++) {
+        int8_t *block = q + b * QK, k_order[QK];
+        memcpy(k_order, block, QK);
+        for (int j = 0; j < QK / 4; j++) {
+            block[4 * j] = k_order[2 * j];
+            block[4 * j + 1] = k_order[2 * j + 1];
+            block[4 * j + 2] = k_order[2 * j + 16];
+            block[4 * j + 3] = k_order[2 * j + 17];
+        }
     }
 }
 
@@ -1245,6 +1260,67 @@ SIMD_INLINE void group_micro_kernel(const int MR, const int fmt, const int_ctx *
     for (int i = 0; i < MR; i++) _mm512_storeu_ps(out[i], acc[i]);
 }
 
+/* Q4_0 and Q4_1 against Q8 activations kept as bytes (c->wide == 0): VPDPBUSD multiplies four
+ * unsigned nibbles by four signed activation bytes per int32 lane, 64 products an instruction
+ * where VPDPWSSD's int16 pairs give 32, so each activation row beyond the first costs half the
+ * multiplies. A tiled word j holds each row's weights 2j, 2j + 1 in its low nibbles and 2j + 16,
+ * 2j + 17 in its high ones; one VPERMW puts the four side by side in each row's lane, and the
+ * activations are stored in that order (quantize_row's nibble_order: bytes 4j .. 4j + 3 of a
+ * block are x 2j, 2j + 1, 2j + 16, 2j + 17). The integers are the int16 kernel's, and so are the
+ * fp32 operations: the same bits as every other path with Q8 activations. */
+SIMD_INLINE void group_micro_kernel_q8(const int MR, const int fmt, const int_ctx *c, int64_t m0,
+                                       const uint8_t *group, float out[MR_MAX][TILE_ROWS]) {
+    const int bb = block_bytes(fmt), header = fmt == FMT_Q4_1 ? 2 : 1; /* words */
+    /* word 2r of the result: word r of the low half (row r's low nibbles), 2r + 1: word r of
+     * the high half (its high nibbles) */
+    const __m512i side_by_side = _mm512_set_epi16(
+        31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+        23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m256i nibble = _mm256_set1_epi8(0x0f);
+    __m512 acc[MR_MAX];
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t blk = 0; blk < c->nb; blk++) {
+        const uint8_t *t = group + blk * TILE_ROWS * bb;
+        for (int line = 0; line < TILE_ROWS * bb; line += 64)
+            __builtin_prefetch(t + TILE_ROWS * c->row_bytes + line);
+        const __m512 dw = group_f16(t, 0);
+        const __m512 mw = fmt == FMT_Q4_1 ? group_f16(t, 1) : _mm512_setzero_ps();
+        const uint8_t *values = t + 32 * header;
+        const int8_t *x[MR_MAX];
+        __m512i isum[MR_MAX][2];
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; i++) {
+            x[i] = (const int8_t *)c->q + (m0 + i) * c->kp + blk * QK;
+            isum[i][0] = isum[i][1] = _mm512_setzero_si512();
+        }
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j++) {
+            const __m256i words = group_words(values, j);
+            const __m512i w = _mm512_permutexvar_epi16(side_by_side, _mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_and_si256(words, nibble)),
+                _mm256_and_si256(_mm256_srli_epi16(words, 4), nibble), 1));
+#pragma GCC unroll 8
+            for (int i = 0; i < MR; i++) {
+                int32_t quad;
+                memcpy(&quad, x[i] + 4 * j, sizeof quad);
+                isum[i][j % 2] = _mm512_dpbusd_epi32(isum[i][j % 2], w, _mm512_set1_epi32(quad));
+            }
+        }
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; i++) {
+            const int64_t at = (m0 + i) * c->nb + blk;
+            __m512i is = _mm512_add_epi32(isum[i][0], isum[i][1]);
+            if (fmt == FMT_Q4_0) is = _mm512_sub_epi32(is, _mm512_set1_epi32(8 * c->sum[at]));
+            __m512 v = _mm512_mul_ps(_mm512_mul_ps(dw, _mm512_set1_ps(c->d[at])), _mm512_cvtepi32_ps(is));
+            if (fmt == FMT_Q4_1) v = _mm512_add_ps(v, _mm512_mul_ps(mw, _mm512_set1_ps(c->s[at])));
+            acc[i] = _mm512_add_ps(acc[i], v);
+        }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; i++) _mm512_storeu_ps(out[i], acc[i]);
+}
+
 /* Q4_K: the 16 rows' d sc (D[j]) and -(dmin m) (Mn[j]) of every sub-block j, decoded as
  * q4_k_tiled_scales does for 8 rows, in int16 lanes of 256-bit vectors. */
 SIMD_INLINE void q4_k_group_scales(const uint8_t *t, __m512 D[SUBS], __m512 Mn[SUBS]) {
@@ -1431,8 +1507,14 @@ static void tiled_tile(const void *ctx, int64_t m0, int mr, int64_t n0, int nr,
 #if defined(SPECSERVE_ISA_AVX512)
     switch (c->fmt) {
         case FMT_Q8_0: GROUP_DISPATCH_MR(group_micro_kernel, FMT_Q8_0) break;
-        case FMT_Q4_0: GROUP_DISPATCH_MR(group_micro_kernel, FMT_Q4_0) break;
-        case FMT_Q4_1: GROUP_DISPATCH_MR(group_micro_kernel, FMT_Q4_1) break;
+        case FMT_Q4_0:
+            if (c->wide) GROUP_DISPATCH_MR(group_micro_kernel, FMT_Q4_0)
+            else GROUP_DISPATCH_MR(group_micro_kernel_q8, FMT_Q4_0)
+            break;
+        case FMT_Q4_1:
+            if (c->wide) GROUP_DISPATCH_MR(group_micro_kernel, FMT_Q4_1)
+            else GROUP_DISPATCH_MR(group_micro_kernel_q8, FMT_Q4_1)
+            break;
         case FMT_Q4_K: GROUP_DISPATCH_MR(group_k_micro_kernel, FMT_Q4_K) break;
         default: GROUP_DISPATCH_MR(group_k_micro_kernel, FMT_Q6_K) break;
     }
@@ -1472,7 +1554,14 @@ int quant_matmul_int(const void *x, int x_bf16, const uint8_t *w, int fmt, int g
     if (is_k_quant(fmt) && K % QK_K) return -4;
     /* int16 activations for Q16, and for Q8 where the kernel multiplies int16 pairs: the tiled
      * order and the k-quants (whose blocks are widened to int16 in every order) */
-    const int wide = act == ACT_Q16 || group == TILE_ROWS || is_k_quant(fmt), q_width = wide ? 2 : 1;
+#if defined(SPECSERVE_ISA_AVX512)
+    /* except Q4_0 / Q4_1 in the tiled order on AVX-512: bytes, for group_micro_kernel_q8 */
+    const int byte_quads = act == ACT_Q8 && group == TILE_ROWS && (fmt == FMT_Q4_0 || fmt == FMT_Q4_1);
+#else
+    const int byte_quads = 0;
+#endif
+    const int wide = act == ACT_Q16 || (group == TILE_ROWS && !byte_quads) || is_k_quant(fmt);
+    const int q_width = wide ? 2 : 1;
     const int64_t nb = (K + QK - 1) / QK, kp = nb * QK, row_bytes = row_bytes_of(fmt, nb);
     /* One allocation: q [M, kp] int8 or int16, then d, s [M, nb] fp32, sum [M, nb] and
      * sum16 [M, 2 nb] int32, then one fp32 row of scratch; every part starts 64-byte aligned. */
@@ -1490,6 +1579,7 @@ int quant_matmul_int(const void *x, int x_bf16, const uint8_t *w, int fmt, int g
         row_to_f32(x, x_bf16, i, K, kp, xf);
         quantize_row(xf, nb, act, wide, buf + i * kp * q_width, d + i * nb, s + i * nb,
                      sum + i * nb);
+        if (byte_quads) nibble_order((int8_t *)buf + i * kp, nb);
         if (!halves) continue;
         const int16_t *q = (const int16_t *)buf + i * kp;
         for (int64_t h = 0; h < 2 * nb; h++) {
