@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -23,8 +24,11 @@ import torch
 from . import cpu_attention, cpu_build, cpu_linear, cpu_norm_rope, quant_cpu
 from .quant_reference import QuantizedWeight
 
-# Rows from which a forward goes layer by layer: up to here every C path takes every product
-# (cpu_linear.INVARIANT_ROWS), and the dispatch the stack saves matters against the work.
+# Rows from which a forward of a stack with bf16 projections goes layer by layer: up to here
+# every C path takes every bf16 product (cpu_linear.INVARIANT_ROWS; past it amx and avx512 hand
+# them to F.linear). A stack whose projections are all quantized takes any number of rows: the
+# quantized kernel is the layers' own at every row count, so a prompt chunk or a batch of 64
+# decoding chats runs in one call too (DecoderStack.max_rows).
 MAX_ROWS = cpu_linear.INVARIANT_ROWS
 
 _LINEAR_BF16, _LINEAR_QUANT = 0, 1
@@ -165,6 +169,9 @@ class DecoderStack:
         if reason is not None:
             raise ValueError(f"DecoderStack: {reason}")
         self.dtype = dtype
+        dense = any(not isinstance(part.weight, QuantizedWeight) for w in layers
+                    for proj in (w.qkv, w.o, w.gate_up, w.down) for part in proj.parts)
+        self.max_rows = MAX_ROWS if dense else sys.maxsize  # rows `run` takes (see MAX_ROWS)
         self._keep: list[torch.Tensor] = []  # every tensor the C side points into
         self._layers = (_Layer * len(layers))(*(self._layer(w) for w in layers))
         first = layers[0]

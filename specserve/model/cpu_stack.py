@@ -1,12 +1,13 @@
 """The decoder's layers as one C call on CPU, where every op of a layer has its C kernel.
 
-`run_layers` is DecoderLM.forward's fast path for a few rows (decode, verify, short prompt
-chunks): it hands the whole stack of layers to `kernels.cpu_decoder.DecoderStack`, which runs
-the same kernels the layers would, in the same order, without the Python dispatch between
-them. It returns None, and the layers run one by one, when the stack does not apply: CUDA,
-tensor parallelism (the row-parallel products all-reduce between layers), more than
-cpu_decoder.MAX_ROWS rows, weights the kernels do not take (fp32 dense projections), no kernel
-library, or SPECSERVE_CPU_STACK=0. Every family's block runs in it: Llama's, Qwen2's biases,
+`run_layers` is DecoderLM.forward's fast path (decode, verify, short prompt chunks, and any
+rows of a quantized model): it hands the whole stack of layers to
+`kernels.cpu_decoder.DecoderStack`, which runs the same kernels the layers would, in the same
+order, without the Python dispatch between them. It returns None, and the layers run one by
+one, when the stack does not apply: CUDA, tensor parallelism (the row-parallel products
+all-reduce between layers), more than cpu_decoder.MAX_ROWS rows where a projection is dense
+bf16, weights the kernels do not take (fp32 dense projections), no kernel library, or
+SPECSERVE_CPU_STACK=0. Every family's block runs in it: Llama's, Qwen2's biases,
 Qwen3's q/k norms, Gemma 3's (q/k norms, norms around attention and MLP, GeGLU, its attention
 scale, sliding-window layers with their own rotary tables); a fused projection whose parts
 have different block formats runs one product per part.
@@ -32,8 +33,7 @@ def run_layers(model: nn.Module, x: torch.Tensor, positions: torch.Tensor,
                ) -> torch.Tensor | None:
     """x [T, H] -> the output [T, H] of `layers` (consecutive; default: all) through the C
     stack, or None."""
-    if (x.device.type != "cpu" or x.shape[0] > cpu_decoder.MAX_ROWS or model.shard.is_split
-            or not cpu_decoder.enabled()):
+    if x.device.type != "cpu" or model.shard.is_split or not cpu_decoder.enabled():
         return None
     lib = cpu_decoder.library()
     if lib is None:
@@ -42,7 +42,7 @@ def run_layers(model: nn.Module, x: torch.Tensor, positions: torch.Tensor,
     if not layers:
         return x
     stack = _stack(model, x.dtype, layers)
-    if stack is None:
+    if stack is None or x.shape[0] > stack.max_rows:
         return None
     return stack.run(lib, x, positions, kv_cache[layers.start:layers.stop], meta.slot_mapping,
                      meta.block_tables, meta.query_start_loc, meta.context_lens,

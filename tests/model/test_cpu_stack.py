@@ -110,6 +110,29 @@ def test_fp32_dense_weights_go_layer_by_layer(tiny_target, monkeypatch):
     assert calls == []
 
 
+def test_a_quantized_stack_takes_any_number_of_rows(cpu_isa, tmp_path, monkeypatch):
+    """All projections quantized: past MAX_ROWS (a long prompt chunk, many chats in one batch)
+    the stack still runs, and gives the layers' bits."""
+    path = save_model(tmp_path / "q", "llama", seed=6, num_hidden_layers=2)
+    model = load_model(path, dtype="float32", quantization="int4")
+    rows = 2 * cpu_decoder.MAX_ROWS + 3
+
+    def forwards() -> list[torch.Tensor]:
+        runner = ModelRunner(model, num_blocks=24, block_size=8)
+        out = runner.forward([Segment(list(range(3, 3 + rows)), range(rows), 0, range(12),
+                                      range(rows))])
+        return out + runner.forward([Segment([5], [rows], rows, range(12), [0])])
+
+    calls = []
+    real = DecoderStack.run
+    monkeypatch.setattr(DecoderStack, "run", lambda *a, **k: calls.append(1) or real(*a, **k))
+    stacked = forwards()
+    assert len(calls) == 2
+    monkeypatch.setenv("SPECSERVE_CPU_STACK", "0")
+    for got, want in zip(stacked, forwards(), strict=True):
+        assert torch.equal(got, want)
+
+
 def test_many_rows_go_layer_by_layer(tiny_target, monkeypatch):
     model = load_model(tiny_target, dtype="bfloat16")
     calls = []
