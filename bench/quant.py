@@ -45,7 +45,6 @@ identical tokens, position by position, and how many prompts match in full.
 from __future__ import annotations
 
 import argparse
-import re
 import statistics
 import subprocess
 import time
@@ -66,6 +65,7 @@ from bench.options import (
     DEFAULT_MODE,
     add_common_args,
     add_modes,
+    cpu,
     environment,
     log,
     setup,
@@ -360,10 +360,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench quant") -> 
     parser.add_argument("--agreement-prompts", type=int, default=16)
     args = parser.parse_args(argv)
     setup(args)
-    flags = sorted(set(re.findall(r"\b(avx\w*|fma|f16c)\b", Path("/proc/cpuinfo").read_text())))
-    report: dict = {"environment": environment(args.threads), "cpu_flags": flags}
-    print(f"torch {report['environment']['torch']}, {args.threads} threads, CPU flags "
-          f"{' '.join(flags)}, load average {report['environment']['load_average'][0]:.2f}")
+    processor = cpu()
+    report: dict = {"environment": environment(args.threads), "cpu_flags": processor["flags"]}
+    print(f"torch {report['environment']['torch']}, {args.threads} threads, CPU family "
+          f"{processor.get('family')} model {processor.get('model')}, flags "
+          f"{' '.join(processor['flags'])}, load average "
+          f"{report['environment']['load_average'][0]:.2f}")
     if not args.skip_kernels:
         from specserve.kernels import cpu_build
 
