@@ -140,12 +140,19 @@ def chat_prompts(tokenizer, questions: Sequence[str]) -> list[list[int]]:
 # ---- runners --------------------------------------------------------------------------------
 def specserve_runner(llm, mode: str | None, max_tokens: int, ignore_eos: bool = False) -> Runner:
     """Runs one prompt alone through ``llm`` with speculation ``mode`` (``"default"`` or None:
-    the engine's own choice for the loaded pair, which ``generate`` takes as None)."""
+    the engine's own choice for the loaded pair, which ``generate`` takes as None).
+
+    The engine's suffix store is emptied first: every row times each prompt several times
+    (warm-up, rounds, other modes), and suffix drafting (the default mode's on CPU) would
+    otherwise draft each reply from an earlier run of the same prompt."""
     speculation = None if mode == DEFAULT_MODE else mode
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
     stats = llm.engine.stats
+    suffix = getattr(llm.engine, "suffix", None)
 
     def run(prompt: list[int]) -> Sample:
+        if suffix is not None:
+            suffix.store.clear()
         before = [getattr(stats, f"{s}_time_s") for s in STAGES]
         start = time.perf_counter()
         out = llm.generate([prompt], params, speculation=speculation)[0]

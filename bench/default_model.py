@@ -19,8 +19,8 @@ Q4_K_M file, such as the Gemma 3 270M one): llama.cpp runs the same target file,
 
 `--turns 2` measures second turns instead: each held-out question, the target's own greedy
 reply, then a follow-up asking to restate or reuse it (where suffix drafting finds its text).
-The suffix store is emptied before every prompt, so no mode drafts from another mode's (or an
-earlier round's) reply to the same question.
+The suffix store is emptied before every prompt (as every bench runner does), so no mode drafts
+from another mode's (or an earlier round's) reply to the same question.
 """
 
 from __future__ import annotations
@@ -66,13 +66,6 @@ def second_turns(llm, questions: list[str], max_tokens: int) -> list[list[int]]:
         for i, (chat, r) in enumerate(zip(chats, replies))]
 
 
-def with_empty_suffix_store(llm, run):
-    def fresh(prompt):
-        llm.engine.suffix.store.clear()
-        return run(prompt)
-    return fresh
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.default_model", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -108,9 +101,9 @@ def main(argv: list[str] | None = None) -> int:
         prompts = (chat_prompts(tok, questions) if args.turns == 1
                    else second_turns(llm, questions, args.max_tokens))
     names = args.modes.split(",")
-    runners = {name: with_empty_suffix_store(llm, specserve_runner(
-        llm, None if name == "default" else name, args.max_tokens, args.ignore_eos))
-        for name in names}
+    runners = {name: specserve_runner(llm, None if name == "default" else name, args.max_tokens,
+                                      args.ignore_eos)
+               for name in names}
     bin_dir = None if args.no_llamacpp else peer_bin(args.peer)
     gguf, draft = llm.engine.config.target, llm.engine.config.draft
     if bin_dir is not None and gguf.suffix == ".gguf":
