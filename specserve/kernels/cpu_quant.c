@@ -536,7 +536,7 @@ static void quantize_row(const float *x, int64_t nb, const int act, const int wi
 }
 
 /* Each block of a row of nb byte activations from k order to the order of a tiled 4-bit word's
- * nibbles (group_micro_kernel_q8): bytes 4j .. 4j + 3 hold x 2j, 2j + 1, 2j + 16, 2j + 17. */
+ * nibbles (group_micro_kernel's bytes): bytes 4j .. 4j + 3 hold x 2j, 2j + 1, 2j + 16, 2j + 17. */
 static void nibble_order(int8_t *q, int64_t nb) {
     for (int64_t b = 0; b < nb; b++) {
         int8_t *block = q + b * QK, k_order[QK];
@@ -1204,10 +1204,24 @@ SIMD_INLINE __m256i group_words(const uint8_t *t, int w) {
 /* The 16 rows' fp16 field at word w as fp32 lanes. */
 SIMD_INLINE __m512 group_f16(const uint8_t *t, int w) { return _mm512_cvtph_ps(group_words(t, w)); }
 
-/* MR activation rows (int16 blocks) x a whole tiled group (Q8_0, Q4_0, Q4_1): out[i][r]. */
-SIMD_INLINE void group_micro_kernel(const int MR, const int fmt, const int_ctx *c, int64_t m0,
-                                    const uint8_t *group, float out[MR_MAX][TILE_ROWS]) {
+/* MR activation rows x a whole tiled group (Q8_0, Q4_0, Q4_1): out[i][r]. The activations are
+ * int16 blocks, or with `bytes` (Q4_0 and Q4_1 against Q8 activations, c->wide == 0) bytes:
+ * then VPDPBUSD multiplies four unsigned nibbles by four signed activation bytes per int32
+ * lane, 64 products an instruction where VPDPWSSD's int16 pairs give 32, so each activation row
+ * beyond the first costs half the multiplies. A tiled word j holds each row's weights 2j, 2j + 1
+ * in its low nibbles and 2j + 16, 2j + 17 in its high ones; one VPERMW puts the four side by side
+ * in each row's lane, and the activations are stored in that order (nibble_order: bytes
+ * 4j .. 4j + 3 of a block are x 2j, 2j + 1, 2j + 16, 2j + 17). The integers are the same either
+ * way, and so are the fp32 operations: the bits of every other path with the same activations. */
+SIMD_INLINE void group_micro_kernel(const int MR, const int fmt, const int bytes,
+                                    const int_ctx *c, int64_t m0, const uint8_t *group,
+                                    float out[MR_MAX][TILE_ROWS]) {
     const int bb = block_bytes(fmt), header = fmt == FMT_Q4_1 ? 2 : 1; /* words */
+    /* word 2r: word r of the low half (row r's low nibbles), 2r + 1: word r of the high half */
+    const __m512i side_by_side = _mm512_set_epi16(
+        31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+        23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m256i nibble = _mm256_set1_epi8(0x0f);
     __m512 acc[MR_MAX];
 #pragma GCC unroll 8
     for (int i = 0; i < MR; i++) acc[i] = _mm512_setzero_ps();
@@ -1219,13 +1233,29 @@ SIMD_INLINE void group_micro_kernel(const int MR, const int fmt, const int_ctx *
         const __m512 mw = fmt == FMT_Q4_1 ? group_f16(t, 1) : _mm512_setzero_ps();
         const uint8_t *values = t + 32 * header;
         const int16_t *x[MR_MAX];
+        const int8_t *xb[MR_MAX];
         __m512i isum[MR_MAX][2];
 #pragma GCC unroll 8
         for (int i = 0; i < MR; i++) {
             x[i] = (const int16_t *)c->q + (m0 + i) * c->kp + blk * QK;
+            xb[i] = (const int8_t *)c->q + (m0 + i) * c->kp + blk * QK;
             isum[i][0] = isum[i][1] = _mm512_setzero_si512();
         }
-        if (fmt == FMT_Q8_0) {
+        if (bytes) {
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; j++) {
+                const __m256i words = group_words(values, j);
+                const __m512i w = _mm512_permutexvar_epi16(side_by_side, _mm512_inserti64x4(
+                    _mm512_castsi256_si512(_mm256_and_si256(words, nibble)),
+                    _mm256_and_si256(_mm256_srli_epi16(words, 4), nibble), 1));
+#pragma GCC unroll 8
+                for (int i = 0; i < MR; i++) {
+                    int32_t quad;
+                    memcpy(&quad, xb[i] + 4 * j, sizeof quad);
+                    isum[i][j % 2] = _mm512_dpbusd_epi32(isum[i][j % 2], w, _mm512_set1_epi32(quad));
+                }
+            }
+        } else if (fmt == FMT_Q8_0) {
 #pragma GCC unroll 16
             for (int j = 0; j < 16; j++) {
                 const __m512i w = _mm512_cvtepi8_epi16(group_words(values, j));
@@ -1236,9 +1266,9 @@ SIMD_INLINE void group_micro_kernel(const int MR, const int fmt, const int_ctx *
         } else {
 #pragma GCC unroll 8
             for (int j = 0; j < 8; j++) {
-                const __m512i bytes = _mm512_cvtepu8_epi16(group_words(values, j));
-                const __m512i low = _mm512_and_si512(bytes, _mm512_set1_epi16(0x0f));
-                const __m512i high = _mm512_srli_epi16(bytes, 4);
+                const __m512i bytes16 = _mm512_cvtepu8_epi16(group_words(values, j));
+                const __m512i low = _mm512_and_si512(bytes16, _mm512_set1_epi16(0x0f));
+                const __m512i high = _mm512_srli_epi16(bytes16, 4);
 #pragma GCC unroll 8
                 for (int i = 0; i < MR; i++) {
                     isum[i][0] = _mm512_dpwssd_epi32(isum[i][0], low, pair_at16(x[i] + 2 * j));
@@ -1260,65 +1290,14 @@ SIMD_INLINE void group_micro_kernel(const int MR, const int fmt, const int_ctx *
     for (int i = 0; i < MR; i++) _mm512_storeu_ps(out[i], acc[i]);
 }
 
-/* Q4_0 and Q4_1 against Q8 activations kept as bytes (c->wide == 0): VPDPBUSD multiplies four
- * unsigned nibbles by four signed activation bytes per int32 lane, 64 products an instruction
- * where VPDPWSSD's int16 pairs give 32, so each activation row beyond the first costs half the
- * multiplies. A tiled word j holds each row's weights 2j, 2j + 1 in its low nibbles and 2j + 16,
- * 2j + 17 in its high ones; one VPERMW puts the four side by side in each row's lane, and the
- * activations are stored in that order (quantize_row's nibble_order: bytes 4j .. 4j + 3 of a
- * block are x 2j, 2j + 1, 2j + 16, 2j + 17). The integers are the int16 kernel's, and so are the
- * fp32 operations: the same bits as every other path with Q8 activations. */
-SIMD_INLINE void group_micro_kernel_q8(const int MR, const int fmt, const int_ctx *c, int64_t m0,
-                                       const uint8_t *group, float out[MR_MAX][TILE_ROWS]) {
-    const int bb = block_bytes(fmt), header = fmt == FMT_Q4_1 ? 2 : 1; /* words */
-    /* word 2r of the result: word r of the low half (row r's low nibbles), 2r + 1: word r of
-     * the high half (its high nibbles) */
-    const __m512i side_by_side = _mm512_set_epi16(
-        31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-        23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    const __m256i nibble = _mm256_set1_epi8(0x0f);
-    __m512 acc[MR_MAX];
-#pragma GCC unroll 8
-    for (int i = 0; i < MR; i++) acc[i] = _mm512_setzero_ps();
-    for (int64_t blk = 0; blk < c->nb; blk++) {
-        const uint8_t *t = group + blk * TILE_ROWS * bb;
-        for (int line = 0; line < TILE_ROWS * bb; line += 64)
-            __builtin_prefetch(t + TILE_ROWS * c->row_bytes + line);
-        const __m512 dw = group_f16(t, 0);
-        const __m512 mw = fmt == FMT_Q4_1 ? group_f16(t, 1) : _mm512_setzero_ps();
-        const uint8_t *values = t + 32 * header;
-        const int8_t *x[MR_MAX];
-        __m512i isum[MR_MAX][2];
-#pragma GCC unroll 8
-        for (int i = 0; i < MR; i++) {
-            x[i] = (const int8_t *)c->q + (m0 + i) * c->kp + blk * QK;
-            isum[i][0] = isum[i][1] = _mm512_setzero_si512();
-        }
-#pragma GCC unroll 8
-        for (int j = 0; j < 8; j++) {
-            const __m256i words = group_words(values, j);
-            const __m512i w = _mm512_permutexvar_epi16(side_by_side, _mm512_inserti64x4(
-                _mm512_castsi256_si512(_mm256_and_si256(words, nibble)),
-                _mm256_and_si256(_mm256_srli_epi16(words, 4), nibble), 1));
-#pragma GCC unroll 8
-            for (int i = 0; i < MR; i++) {
-                int32_t quad;
-                memcpy(&quad, x[i] + 4 * j, sizeof quad);
-                isum[i][j % 2] = _mm512_dpbusd_epi32(isum[i][j % 2], w, _mm512_set1_epi32(quad));
-            }
-        }
-#pragma GCC unroll 8
-        for (int i = 0; i < MR; i++) {
-            const int64_t at = (m0 + i) * c->nb + blk;
-            __m512i is = _mm512_add_epi32(isum[i][0], isum[i][1]);
-            if (fmt == FMT_Q4_0) is = _mm512_sub_epi32(is, _mm512_set1_epi32(8 * c->sum[at]));
-            __m512 v = _mm512_mul_ps(_mm512_mul_ps(dw, _mm512_set1_ps(c->d[at])), _mm512_cvtepi32_ps(is));
-            if (fmt == FMT_Q4_1) v = _mm512_add_ps(v, _mm512_mul_ps(mw, _mm512_set1_ps(c->s[at])));
-            acc[i] = _mm512_add_ps(acc[i], v);
-        }
-    }
-#pragma GCC unroll 8
-    for (int i = 0; i < MR; i++) _mm512_storeu_ps(out[i], acc[i]);
+/* The dispatch's two shapes of it: int16 activations, and bytes (Q4_0 / Q4_1, Q8). */
+SIMD_INLINE void group_int16_kernel(const int MR, const int fmt, const int_ctx *c, int64_t m0,
+                                    const uint8_t *group, float out[MR_MAX][TILE_ROWS]) {
+    group_micro_kernel(MR, fmt, 0, c, m0, group, out);
+}
+SIMD_INLINE void group_byte_kernel(const int MR, const int fmt, const int_ctx *c, int64_t m0,
+                                   const uint8_t *group, float out[MR_MAX][TILE_ROWS]) {
+    group_micro_kernel(MR, fmt, 1, c, m0, group, out);
 }
 
 /* Q4_K: the 16 rows' d sc (D[j]) and -(dmin m) (Mn[j]) of every sub-block j, decoded as
@@ -1506,14 +1485,14 @@ static void tiled_tile(const void *ctx, int64_t m0, int mr, int64_t n0, int nr,
     const uint8_t *group = c->w + n0 * c->row_bytes;
 #if defined(SPECSERVE_ISA_AVX512)
     switch (c->fmt) {
-        case FMT_Q8_0: GROUP_DISPATCH_MR(group_micro_kernel, FMT_Q8_0) break;
+        case FMT_Q8_0: GROUP_DISPATCH_MR(group_int16_kernel, FMT_Q8_0) break;
         case FMT_Q4_0:
-            if (c->wide) GROUP_DISPATCH_MR(group_micro_kernel, FMT_Q4_0)
-            else GROUP_DISPATCH_MR(group_micro_kernel_q8, FMT_Q4_0)
+            if (c->wide) GROUP_DISPATCH_MR(group_int16_kernel, FMT_Q4_0)
+            else GROUP_DISPATCH_MR(group_byte_kernel, FMT_Q4_0)
             break;
         case FMT_Q4_1:
-            if (c->wide) GROUP_DISPATCH_MR(group_micro_kernel, FMT_Q4_1)
-            else GROUP_DISPATCH_MR(group_micro_kernel_q8, FMT_Q4_1)
+            if (c->wide) GROUP_DISPATCH_MR(group_int16_kernel, FMT_Q4_1)
+            else GROUP_DISPATCH_MR(group_byte_kernel, FMT_Q4_1)
             break;
         case FMT_Q4_K: GROUP_DISPATCH_MR(group_k_micro_kernel, FMT_Q4_K) break;
         default: GROUP_DISPATCH_MR(group_k_micro_kernel, FMT_Q6_K) break;
@@ -1555,7 +1534,7 @@ int quant_matmul_int(const void *x, int x_bf16, const uint8_t *w, int fmt, int g
     /* int16 activations for Q16, and for Q8 where the kernel multiplies int16 pairs: the tiled
      * order and the k-quants (whose blocks are widened to int16 in every order) */
 #if defined(SPECSERVE_ISA_AVX512)
-    /* except Q4_0 / Q4_1 in the tiled order on AVX-512: bytes, for group_micro_kernel_q8 */
+    /* except Q4_0 / Q4_1 in the tiled order on AVX-512: bytes, for group_byte_kernel */
     const int byte_quads = act == ACT_Q8 && group == TILE_ROWS && (fmt == FMT_Q4_0 || fmt == FMT_Q4_1);
 #else
     const int byte_quads = 0;
