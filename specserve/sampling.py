@@ -78,6 +78,16 @@ def make_generator(seed: int | None) -> torch.Generator:
     return gen
 
 
+def argmax_rows(logits: torch.Tensor) -> list[int]:
+    """[N, V] -> each row's argmax (its first maximum; a NaN counts as the maximum), as
+    torch.argmax gives it. On CPU through numpy's: one 49,152-wide fp32 row 3 us against
+    torch's 72 (2-vCPU Sapphire Rapids class Xeon), paid in every greedy verification and draft
+    pick."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
+        return logits.numpy().argmax(-1).tolist()
+    return logits.argmax(-1).tolist()
+
+
 def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Raw logits -> the probability distribution a request samples from.
 

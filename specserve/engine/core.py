@@ -26,7 +26,7 @@ from ..model.loader import load_model, load_tokenizer
 from ..model.quant import draft_quantization
 from ..model.runner import ModelRunner, Segment, kv_bytes_per_block
 from ..outputs import RequestDelta
-from ..sampling import SamplingParams, process_logits
+from ..sampling import SamplingParams, argmax_rows, process_logits
 from ..speculation.adaptive import AdaptiveController, acceptance_prior
 from ..speculation.modes import OFF, SpecKind, SpecMode, parse_speculation
 from ..speculation.proposers import (
@@ -350,8 +350,11 @@ class EngineCore:
                   for item, seg, lg in zip(scheduled, segments, logits)]
         greedy_rows = [lg for item, lg in zip(scheduled, logits)
                        if lg.shape[0] and item.request.params.greedy]
-        # One host transfer for every greedy request's argmax.
-        argmax = iter(torch.cat(greedy_rows).argmax(-1).tolist() if greedy_rows else [])
+        # Every greedy request's argmax: on CPU each tensor's as it is (no copy), elsewhere
+        # one host transfer for all of them.
+        on_cpu = all(lg.device.type == "cpu" for lg in greedy_rows)
+        argmax = iter([i for lg in greedy_rows for i in argmax_rows(lg)] if on_cpu
+                      else argmax_rows(torch.cat(greedy_rows)))
         verdicts = []
         for item, seg, lg in zip(scheduled, segments, logits):
             req = item.request

@@ -32,7 +32,7 @@ from typing import Protocol
 import torch
 
 from ..model.runner import ModelRunner, Segment
-from ..sampling import SamplingParams, process_logits
+from ..sampling import SamplingParams, argmax_rows, process_logits
 from .modes import DEFAULT_TREE_DEPTH, DEFAULT_TREE_TOPK, SpecKind, SpecMode
 from .target_hidden import TargetHiddenStore
 from .tree import TokenTree, children_lists, paths_to_parents, tree_mask
@@ -383,7 +383,7 @@ def _pick_children(logits: torch.Tensor, q: torch.Tensor | None, count: int,
     """
     if q is None:
         if count == 1 and not scored:
-            return [int(logits.argmax())], [0.0]
+            return argmax_rows(logits[None]), [0.0]
         logits = logits.float()
         top = torch.topk(logits, count)
         if not scored:
