@@ -478,8 +478,9 @@ static inline float block_update(int fmt, float acc, int32_t isa, int32_t isb, c
 /* One activation row (kp fp32 values, whole blocks) to integer blocks, as the header defines:
  * levels L = 127 (act ACT_Q8) or 32767 (ACT_Q16), stored as int16 when `wide` (always for
  * ACT_Q16; the tiled order's kernels multiply int16 pairs, so they take Q8 values as int16
- * too, except AVX-512's for Q4_0 / Q4_1, which multiplies bytes), else int8. |x * id| <= L (1 + 2^-23)^2, so every value rounds into [-L, L]; rounding is
- * the default mode's, half to even (lrintf, or cvtps2dq under the default MXCSR). */
+ * too, except AVX-512's for Q4_0 / Q4_1, which multiplies bytes), else int8.
+ * |x * id| <= L (1 + 2^-23)^2, so every value rounds into [-L, L]; rounding is the default
+ * mode's, half to even (lrintf, or cvtps2dq under the default MXCSR). */
 static void quantize_row(const float *x, int64_t nb, const int act, const int wide, void *q,
                          float *d, float *s, int32_t *sum) {
     const float levels = act == ACT_Q16 ? 32767.0f : 127.0f;

@@ -108,7 +108,6 @@ SIMD_INLINE dot_acc dot_step(dot_acc acc, dot_vec x, dot_vec w) {
 }
 SIMD_INLINE dot_acc dot_add(dot_acc a, dot_acc b) { return _mm512_add_ps(a, b); }
 SIMD_INLINE vf dot_collapse(dot_acc acc) { return acc; }
-SIMD_INLINE float dot_sum(dot_acc acc) { return vf_reduce_add(dot_collapse(acc)); }
 
 #elif defined(SPECSERVE_ISA_AVX2)
 #include <immintrin.h>
@@ -196,7 +195,6 @@ SIMD_INLINE dot_acc dot_add(dot_acc a, dot_acc b) {
     return s;
 }
 SIMD_INLINE vf dot_collapse(dot_acc acc) { return _mm256_add_ps(acc.even, acc.odd); }
-SIMD_INLINE float dot_sum(dot_acc acc) { return vf_reduce_add(dot_collapse(acc)); }
 
 #else /* SPECSERVE_ISA_PORTABLE */
 
@@ -267,8 +265,10 @@ SIMD_INLINE dot_acc dot_add(dot_acc a, dot_acc b) {
     return s;
 }
 SIMD_INLINE vf dot_collapse(dot_acc acc) { return acc.even + acc.odd; }
-SIMD_INLINE float dot_sum(dot_acc acc) { return vf_reduce_add(dot_collapse(acc)); }
 
 #endif
+
+/* Every ISA: a dot_acc summed as its collapsed vector. */
+SIMD_INLINE float dot_sum(dot_acc acc) { return vf_reduce_add(dot_collapse(acc)); }
 
 #endif
