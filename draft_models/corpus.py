@@ -1,11 +1,15 @@
 """The default model's distillation corpus: the target's own replies, in shards kept in git.
 
     nice -n 19 python -m draft_models.corpus generate --shards 40 --commit >> corpus.log 2>&1 &
+    nice -n 19 python -m draft_models.corpus generate --family self --shards 40 --commit ...
     python -m draft_models.corpus stats
 
-Shard k holds `FIRST_TURNS` first-turn chats (messages k * FIRST_TURNS ... of
-`corpus_prompts.message_pool()`) and `FOLLOW_UPS` two-turn chats that continue the first of them
-with the target's own reply in context and a follow-up question. Half the replies are greedy, the
+Two families of shards. Pool shard k (`shard-NNNNN.npz`) holds `FIRST_TURNS` first-turn chats
+(messages k * FIRST_TURNS ... of `corpus_prompts.message_pool()`) and `FOLLOW_UPS` two-turn chats
+that continue the first of them with the target's own reply in context and a follow-up question.
+Self shard k (`self-NNNNN.npz`) holds as many chats whose user messages, first and second, the
+target wrote itself (`self_messages.py`): phrasings and subjects the templates do not have, a
+record's `message` being its place in the shard. Half the replies are greedy, the
 rest sampled at temperature 0.7 / 0.85 / 1.0 (top_p 1, a fixed seed per record), so the draft
 learns the target's distribution and not one path through it.
 
@@ -16,12 +20,12 @@ generation Zen (family 23 model 1): 70 tok/s in all at 32 concurrent chats, agai
 dequantized float32 weights in the same engine and 50 for batched transformers generation (the
 same 64 replies, token for token, in all three).
 
-A shard is `shard-NNNNN.npz` (numpy, compressed; token ids uint16): each record's prompt ids
-(the chat template applied), reply ids (ending with EOS when the reply finished), temperature,
-seed, pool index and turn, and a `meta` JSON string (target file, settings, generation wall time
+A shard is a compressed numpy file (token ids uint16): each record's prompt ids (the chat
+template applied), reply ids (ending with EOS when the reply finished), temperature, seed,
+message index and turn, and a `meta` JSON string (target file, settings, generation wall time
 and tokens/s, CPU, niceness). It is written atomically and, with `--commit`, committed alone at
 once, so an interrupted job loses at most the shard in progress and resumes from the repository
-on any machine: the next shard is the first one missing.
+on any machine: the next shard of a family is the first one missing.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .corpus_prompts import follow_up, message_pool
+from .corpus_prompts import HELD_OUT_WORDS, follow_up, message_pool
 
 CORPUS_DIR = Path(__file__).resolve().parent / "smollm2" / "corpus"
 FIRST_TURNS = 192  # first-turn chats per shard
@@ -60,14 +64,19 @@ class Record:
     finished: bool  # the reply ended (EOS) before max_new_tokens
 
 
-def shard_path(corpus: Path, k: int) -> Path:
-    return corpus / f"shard-{k:05d}.npz"
+POOL, SELF = "shard", "self"  # the two families of shards: pool messages, self-written ones
+SELF_SEED_OFFSET = 50_000  # a self shard's message seeds, apart from its replies' seeds
 
 
-def next_shard(corpus: Path) -> int:
-    """The first shard index with no file: shards are made in order, so this resumes."""
+def shard_path(corpus: Path, k: int, family: str = POOL) -> Path:
+    return corpus / f"{family}-{k:05d}.npz"
+
+
+def next_shard(corpus: Path, family: str = POOL) -> int:
+    """The first shard index of `family` with no file: shards are made in order, so this
+    resumes."""
     k = 0
-    while shard_path(corpus, k).is_file():
+    while shard_path(corpus, k, family).is_file():
         k += 1
     return k
 
@@ -126,10 +135,10 @@ def read_shard(path: Path) -> tuple[list[Record], dict]:
         return records, json.loads(str(z["meta"]))
 
 
-def read_corpus(corpus: Path = CORPUS_DIR) -> list[Record]:
+def read_corpus(corpus: Path = CORPUS_DIR, family: str = POOL) -> list[Record]:
     records: list[Record] = []
-    for k in range(next_shard(corpus)):
-        records += read_shard(shard_path(corpus, k))[0]
+    for k in range(next_shard(corpus, family)):
+        records += read_shard(shard_path(corpus, k, family))[0]
     return records
 
 
@@ -147,29 +156,65 @@ def cpu_description() -> str:
             f"{fields.get('cpu family', '?')} model {fields.get('model', '?')})")
 
 
-def generate_shard(llm, k: int, max_new_tokens: int) -> tuple[list[Record], float]:
-    """Shard k's records and the seconds they took."""
+def _two_turn_records(llm, k: int, first: list[list[dict]], messages: Sequence[int],
+                      second_turns, max_new_tokens: int) -> list[Record]:
+    """The replies to `first` (chats of one user message; `messages` their ids), then to the
+    second turns: `second_turns(chats)` gets the first chats with their replies and returns
+    (i, text) for the chats it continues, text being the next user message."""
     from specserve import SamplingParams
 
-    pool = message_pool()
-    indices = list(shard_messages(k))
     def params(i: int) -> SamplingParams:
         temperature, seed = sampling_for(k, i)
         return SamplingParams(temperature=temperature, top_p=1.0, max_tokens=max_new_tokens,
                               seed=seed)
 
-    start = time.time()
-    first = [[{"role": "user", "content": pool[m]}] for m in indices]
     outs = llm.chat(first, [params(i) for i in range(len(first))])
     records = [Record(o.prompt_token_ids, list(o.token_ids), *sampling_for(k, i), m, 1,
-                      o.finish_reason == "stop") for i, (m, o) in enumerate(zip(indices, outs))]
-    second = [chat + [{"role": "assistant", "content": o.text},
-                      {"role": "user", "content": follow_up(m)}]
-              for chat, o, m in zip(first[:FOLLOW_UPS], outs, indices)]
+                      o.finish_reason == "stop") for i, (m, o) in enumerate(zip(messages, outs))]
+    answered = [chat + [{"role": "assistant", "content": o.text}]
+                for chat, o in zip(first, outs)]
+    continued = second_turns(answered)
+    second = [answered[i] + [{"role": "user", "content": text}] for i, text in continued]
     offset = len(first)
-    outs2 = llm.chat(second, [params(offset + i) for i in range(len(second))])
-    records += [Record(o.prompt_token_ids, list(o.token_ids), *sampling_for(k, offset + i), m, 2,
-                       o.finish_reason == "stop") for i, (m, o) in enumerate(zip(indices, outs2))]
+    outs2 = llm.chat(second, [params(offset + j) for j in range(len(second))])
+    records += [Record(o.prompt_token_ids, list(o.token_ids), *sampling_for(k, offset + j),
+                       messages[i], 2, o.finish_reason == "stop")
+                for j, ((i, _), o) in enumerate(zip(continued, outs2))]
+    return records
+
+
+def generate_shard(llm, k: int, max_new_tokens: int) -> tuple[list[Record], float]:
+    """Pool shard k's records and the seconds they took."""
+    pool = message_pool()
+    indices = list(shard_messages(k))
+    start = time.time()
+    first = [[{"role": "user", "content": pool[m]}] for m in indices]
+    records = _two_turn_records(
+        llm, k, first, indices,
+        lambda chats: [(i, follow_up(indices[i])) for i in range(min(FOLLOW_UPS, len(chats)))],
+        max_new_tokens)
+    return records, time.time() - start
+
+
+def generate_self_shard(llm, k: int, max_new_tokens: int) -> tuple[list[Record], float]:
+    """Self shard k's records and the seconds they took: FIRST_TURNS distinct messages the
+    target wrote (self_messages.py; a record's `message` is its place in the shard), and up to
+    FOLLOW_UPS of those chats continued with a second message it wrote after its own reply."""
+    from .self_messages import distinct_messages, write_messages
+
+    start = time.time()
+    seed = k * 100_003 + SELF_SEED_OFFSET
+    written = distinct_messages(llm, FIRST_TURNS, seed, HELD_OUT_WORDS)
+    first = [[{"role": "user", "content": text}] for _, text in written]
+
+    def second_turns(chats):
+        tried = chats[:2 * FOLLOW_UPS]  # about a fifth of written messages are not kept
+        texts = write_messages(llm, tried, [seed + 40_000 + i for i in range(len(tried))],
+                               HELD_OUT_WORDS)
+        return [(i, t) for i, t in enumerate(texts) if t is not None][:FOLLOW_UPS]
+
+    records = _two_turn_records(llm, k, first, list(range(len(first))), second_turns,
+                                max_new_tokens)
     return records, time.time() - start
 
 
@@ -200,47 +245,54 @@ def generate(args: argparse.Namespace) -> None:
     corpus.mkdir(parents=True, exist_ok=True)
     target = Path(args.target) if args.target else default_target()
     llm = LLM(target, None, speculation="off", max_num_seqs=args.concurrent)
-    first = next_shard(corpus)
+    family = args.family
+    make = generate_shard if family == POOL else generate_self_shard
+    first = next_shard(corpus, family)
     for k in range(first, first + args.shards):
-        records, seconds = generate_shard(llm, k, args.max_new_tokens)
+        records, seconds = make(llm, k, args.max_new_tokens)
         tokens = sum(len(r.reply_ids) for r in records)
-        meta = {"target": target.name, "shard": k, "first_turns": FIRST_TURNS,
+        meta = {"target": target.name, "family": family, "shard": k, "first_turns": FIRST_TURNS,
                 "follow_ups": FOLLOW_UPS, "max_new_tokens": args.max_new_tokens,
                 "concurrent_chats": args.concurrent, "threads": args.threads,
                 "reply_tokens": tokens, "seconds": round(seconds, 1),
                 "tokens_per_second": round(tokens / seconds, 2), "cpu": cpu_description(),
                 "niceness": os.nice(0), "torch": torch.__version__,
                 "date": time.strftime("%Y-%m-%d %H:%M:%S")}
-        path = shard_path(corpus, k)
+        path = shard_path(corpus, k, family)
         write_shard(path, records, meta)
-        print(f"{meta['date']} shard {k}: {len(records)} records, {tokens} reply tokens in "
-              f"{seconds:.0f} s ({tokens / seconds:.1f} tok/s)", flush=True)
+        print(f"{meta['date']} {family} shard {k}: {len(records)} records, {tokens} reply tokens "
+              f"in {seconds:.0f} s ({tokens / seconds:.1f} tok/s)", flush=True)
         if args.commit:
-            commit(path, f"draft_models/smollm2/corpus: shard {k} ({tokens} reply tokens, "
+            commit(path, f"draft_models/smollm2/corpus: {family} shard {k} ({tokens} reply tokens, "
                          f"{tokens / seconds:.1f} tok/s on {meta['cpu']}, nice {meta['niceness']})")
 
 
-def stats(args: argparse.Namespace) -> dict:
-    corpus = Path(args.corpus)
-    shards = next_shard(corpus)
-    records, seconds, tokens = 0, 0.0, 0
+def family_stats(corpus: Path, family: str) -> dict:
+    shards = next_shard(corpus, family)
+    records, seconds, tokens, finished, messages = 0, 0.0, 0, 0, 0
     temps: dict[float, int] = {}
-    finished = 0
     for k in range(shards):
-        recs, meta = read_shard(shard_path(corpus, k))
+        recs, meta = read_shard(shard_path(corpus, k, family))
         records += len(recs)
+        messages += sum(r.turn == 1 for r in recs)
         tokens += sum(len(r.reply_ids) for r in recs)
         seconds += meta["seconds"]
         finished += sum(r.finished for r in recs)
         for r in recs:
             t = round(r.temperature, 2)
             temps[t] = temps.get(t, 0) + 1
-    size = sum(shard_path(corpus, k).stat().st_size for k in range(shards))
-    out = {"shards": shards, "records": records, "distinct_messages": shards * FIRST_TURNS,
-           "reply_tokens": tokens, "generation_hours": round(seconds / 3600, 2),
-           "tokens_per_second": round(tokens / seconds, 2) if seconds else None,
-           "finished_replies": finished, "bytes": size,
-           "records_by_temperature": {str(t): n for t, n in sorted(temps.items())}}
+    size = sum(shard_path(corpus, k, family).stat().st_size for k in range(shards))
+    return {"shards": shards, "records": records, "distinct_messages": messages,
+            "reply_tokens": tokens, "generation_hours": round(seconds / 3600, 2),
+            "tokens_per_second": round(tokens / seconds, 2) if seconds else None,
+            "finished_replies": finished, "bytes": size,
+            "records_by_temperature": {str(t): n for t, n in sorted(temps.items())}}
+
+
+def stats(args: argparse.Namespace) -> dict:
+    corpus = Path(args.corpus)
+    out = {"pool_messages": family_stats(corpus, POOL),
+           "self_written_messages": family_stats(corpus, SELF)}
     print(json.dumps(out, indent=2))
     return out
 
@@ -255,6 +307,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     g.add_argument("--concurrent", type=int, default=CONCURRENT_CHATS)
     g.add_argument("--threads", type=int, default=2)
     g.add_argument("--commit", action="store_true", help="git-commit each shard once written")
+    g.add_argument("--family", choices=(POOL, SELF), default=POOL,
+                   help=f"{POOL!r}: the templated pool's messages; {SELF!r}: messages the "
+                        "target writes itself (self_messages.py)")
     s = sub.add_parser("stats", help="what the corpus holds")
     for q in (g, s):
         q.add_argument("--corpus", default=str(CORPUS_DIR))
