@@ -251,8 +251,8 @@ def generate(args: argparse.Namespace) -> None:
     for k in range(first, first + args.shards):
         records, seconds = make(llm, k, args.max_new_tokens)
         tokens = sum(len(r.reply_ids) for r in records)
-        meta = {"target": target.name, "family": family, "shard": k, "first_turns": FIRST_TURNS,
-                "follow_ups": FOLLOW_UPS, "max_new_tokens": args.max_new_tokens,
+        meta = {"target": target.name, "family": family, "shard": k, "first_turns": sum(r.turn == 1 for r in records),
+                "follow_ups": sum(r.turn == 2 for r in records), "max_new_tokens": args.max_new_tokens,
                 "concurrent_chats": args.concurrent, "threads": args.threads,
                 "reply_tokens": tokens, "seconds": round(seconds, 1),
                 "tokens_per_second": round(tokens / seconds, 2), "cpu": cpu_description(),
