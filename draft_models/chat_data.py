@@ -106,27 +106,33 @@ def vocabulary_coverage(token_ids: torch.Tensor, records: Sequence[dict]) -> flo
 
 
 def corpus_records(corpus: Path, held_out_share: float = 0.1) -> tuple[list[dict], int]:
-    """The corpus shards (corpus.py) as records, the held-out ones last, and how many those are:
-    the greedy replies of the last shards, about `held_out_share` of the greedy replies
-    (agreement with the target is measured against greedy replies only; the sampled ones of
-    those shards are left out rather than trained on)."""
-    from .corpus import next_shard, read_shard, shard_path
+    """The corpus shards (corpus.py, both families) as records, the held-out ones last, and how
+    many those are: per family, the greedy replies of its last shards, about `held_out_share` of
+    its greedy replies (agreement with the target is measured against greedy replies only; the
+    sampled ones of those shards are left out rather than trained on). A family of one shard is
+    trained on whole; the pool family needs two."""
+    from .corpus import POOL, SELF, next_shard, read_shard, shard_path
 
-    shards = [read_shard(shard_path(corpus, k))[0] for k in range(next_shard(corpus))]
-    if len(shards) < 2:
-        raise ValueError(f"{corpus}: {len(shards)} corpus shard(s); training needs at least 2 "
-                         f"(one is held out)")
-    greedy = sum(r.temperature == 0.0 for shard in shards for r in shard)
-    held_shards, held_greedy = 0, 0
-    while held_greedy < held_out_share * greedy and held_shards < len(shards) - 1:
-        held_shards += 1
-        held_greedy += sum(r.temperature == 0.0 for r in shards[-held_shards])
+    def split(family: str) -> tuple[list, list]:
+        shards = [read_shard(shard_path(corpus, k, family))[0]
+                  for k in range(next_shard(corpus, family))]
+        if family == POOL and len(shards) < 2:
+            raise ValueError(f"{corpus}: {len(shards)} corpus shard(s); training needs at least "
+                             f"2 (one is held out)")
+        greedy = sum(r.temperature == 0.0 for shard in shards for r in shard)
+        held_shards, held_greedy = 0, 0
+        while held_greedy < held_out_share * greedy and held_shards < len(shards) - 1:
+            held_shards += 1
+            held_greedy += sum(r.temperature == 0.0 for r in shards[-held_shards])
+        cut = len(shards) - held_shards
+        return ([r for shard in shards[:cut] for r in shard],
+                [r for shard in shards[cut:] for r in shard if r.temperature == 0.0])
 
     def record(r) -> dict:
         return {"question": None, "prompt_ids": r.prompt_ids, "reply_ids": r.reply_ids}
 
-    train = [record(r) for shard in shards[:len(shards) - held_shards] for r in shard]
-    held = [record(r) for shard in shards[len(shards) - held_shards:] for r in shard
-            if r.temperature == 0.0]
+    (pool_train, pool_held), (self_train, self_held) = split(POOL), split(SELF)
+    train = [record(r) for r in pool_train + self_train]
+    held = [record(r) for r in pool_held + self_held]
     return train + held, len(held)
 

@@ -70,6 +70,73 @@ def test_a_shard_holds_first_turns_follow_ups_and_fixed_sampling(monkeypatch, tm
     assert [r.finished for r in records[:2]] == [False, True]
 
 
+class SelfWritingLLM(StandInLLM):
+    """The stand-in above, which also writes user messages: the candidate written with seed s
+    is WRITTEN[s % len(WRITTEN)], finished unless it is the one marked unfinished."""
+
+    WRITTEN = ["How do I bake bread at home?", "Tell me about the sky at night.", "Hi",
+               "What is a good name for a cat?", "UNFINISHED", "Plan a trip to Rome for me.",
+               "What is a good name for a cat?", "Explain how tides work."]
+
+    def __init__(self) -> None:
+        from transformers import AutoTokenizer
+
+        super().__init__()
+        self.tokenizer = AutoTokenizer.from_pretrained(DRAFT)
+        self.written = []
+
+    def generate(self, prompts, params):
+        outs = []
+        for prompt, p in zip(prompts, params):
+            text = self.WRITTEN[p.seed % len(self.WRITTEN)]
+            self.written.append((self.tokenizer.decode(prompt), p))
+            outs.append(RequestOutput("w", list(prompt), [5], text,
+                                      "length" if text == "UNFINISHED" else "stop"))
+        return outs
+
+
+DRAFT = Path(corpus.__file__).parent / "smollm2" / "draft"
+
+
+def test_self_written_messages_are_finished_distinct_and_never_held_out():
+    from specserve.draft_models.self_messages import MESSAGE_TEMPERATURES, distinct_messages
+
+    llm = SelfWritingLLM()
+    kept = distinct_messages(llm, 4, first_seed=8, held_out_words=HELD_OUT_WORDS, batch=8)
+    # "sky" is a held-out word, "Hi" too short, UNFINISHED did not end, the cat question repeats.
+    assert kept == [(8, "How do I bake bread at home?"), (11, "What is a good name for a cat?"),
+                    (13, "Plan a trip to Rome for me."), (15, "Explain how tides work.")]
+    opening, params = llm.written[0]
+    assert opening.endswith("<|im_end|>\n<|im_start|>user\n") and "system" in opening
+    assert [p.temperature for _, p in llm.written[:3]] == [
+        MESSAGE_TEMPERATURES[s % len(MESSAGE_TEMPERATURES)] for s in (8, 9, 10)]
+    with pytest.raises(RuntimeError, match="acceptable distinct"):
+        distinct_messages(llm, 6, first_seed=0, held_out_words=HELD_OUT_WORDS, batch=8)
+
+
+def test_a_self_shard_continues_chats_with_messages_the_target_wrote(monkeypatch):
+    monkeypatch.setattr(corpus, "FIRST_TURNS", 3)
+    monkeypatch.setattr(corpus, "FOLLOW_UPS", 2)
+    monkeypatch.setattr(corpus, "SELF_SEED_OFFSET", 0)
+    monkeypatch.setattr(corpus, "sampling_for", lambda k, i: (0.0, i))
+    llm = SelfWritingLLM()
+    records, _ = corpus.generate_self_shard(llm, 0, max_new_tokens=50)
+    first_chats, _ = llm.calls[0]
+    assert [c[0]["content"] for c in first_chats] == [
+        "How do I bake bread at home?", "What is a good name for a cat?",
+        "Plan a trip to Rome for me."]
+    # The second messages are written after each chat's first reply, with seeds 40000, 40001,
+    # 40002 (WRITTEN 0, 1, 2): the bread chat goes on with WRITTEN[0]; the cat chat's candidate
+    # names a held-out word and the Rome chat's is too short, so neither is continued.
+    second_chats, _ = llm.calls[1]
+    assert len(second_chats) == 1
+    assert second_chats[0][1] == {"role": "assistant",
+                                  "content": "How do I bake bread at home?"[::-1]}
+    assert second_chats[0][2] == {"role": "user", "content": "How do I bake bread at home?"}
+    assert "How do I bake bread at home?"[::-1] in llm.written[-3][0]
+    assert [(r.turn, r.message) for r in records] == [(1, 0), (1, 1), (1, 2), (2, 0)]
+
+
 def test_shards_round_trip_and_resume_where_they_stop(tmp_path):
     recs = [Record([1, 2, 3], [40000, 5, 2], 0.0, 7, 11, 1, True),
             Record([1, 2, 3, 9], [6], 0.85, 8, 11, 2, False)]
@@ -104,6 +171,14 @@ def test_recipe_records_hold_out_the_last_shards_greedy_replies(tmp_path: Path):
     assert len(records) - n_held == 12  # shards 0-2 whole, greedy and sampled
     with pytest.raises(ValueError, match="at least 2"):
         corpus_records(tmp_path / "empty")
+    # Self-written shards hold out their own last shards; one alone is trained on whole.
+    write_shard(shard_path(tmp_path, 0, corpus.SELF), shard(10, [0.0, 0.7, 0.0, 0.0]), {})
+    records, n_held = corpus_records(tmp_path, held_out_share=0.2)
+    assert n_held == 2 and len(records) - n_held == 16
+    write_shard(shard_path(tmp_path, 1, corpus.SELF), shard(11, [0.0, 0.7, 0.0, 0.0]), {})
+    records, n_held = corpus_records(tmp_path, held_out_share=0.2)
+    assert [r["prompt_ids"] for r in records[-n_held:]] == [[3], [3], [11], [11], [11]]
+    assert [r["prompt_ids"] for r in records[:-n_held]].count([10]) == 4
 
 
 def test_vocabulary_coverage_counts_reply_tokens_the_head_has():
@@ -113,11 +188,13 @@ def test_vocabulary_coverage_counts_reply_tokens_the_head_has():
     assert vocabulary_coverage(torch.tensor([3, 9]), records) == pytest.approx(3 / 5)
 
 
-def test_committed_shards_read_back():
+@pytest.mark.parametrize("family", [corpus.POOL, corpus.SELF])
+def test_committed_shards_read_back(family):
     """Whatever the corpus job has committed so far is readable and consistent."""
-    shards = corpus.next_shard(corpus.CORPUS_DIR)
+    shards = corpus.next_shard(corpus.CORPUS_DIR, family)
+    assert shards > 0 or family == corpus.SELF
     for k in range(shards):
-        records, meta = read_shard(shard_path(corpus.CORPUS_DIR, k))
+        records, meta = read_shard(shard_path(corpus.CORPUS_DIR, k, family))
         assert meta["shard"] == k and len(records) == meta["first_turns"] + meta["follow_ups"]
         assert sum(len(r.reply_ids) for r in records) == meta["reply_tokens"]
         assert Counter(r.turn for r in records) == {1: meta["first_turns"],
