@@ -50,10 +50,13 @@ def write_messages(llm, chats: Sequence[Sequence[dict]], seeds: Sequence[int],
             else None for o in outs]
 
 
-def distinct_messages(llm, count: int, first_seed: int,
-                      held_out_words: Sequence[str], batch: int = 64) -> list[tuple[int, str]]:
+def distinct_messages(llm, count: int, first_seed: int, held_out_words: Sequence[str],
+                      batch: int | None = None) -> list[tuple[int, str]]:
     """`count` distinct first-turn messages as (seed, text), written from an empty chat with
-    seeds first_seed, first_seed + 1, ... until enough are kept (the same list on a rerun)."""
+    seeds first_seed, first_seed + 1, ... until enough are kept: the first acceptable ones in
+    seed order, so the same list on a rerun whatever the batch (by default half as many again
+    as wanted, written together: about a fifth are not kept)."""
+    batch = batch or count + count // 2
     kept: dict[str, int] = {}
     seed = first_seed
     while len(kept) < count:
