@@ -208,7 +208,7 @@ def generate_self_shard(llm, k: int, max_new_tokens: int) -> tuple[list[Record],
     first = [[{"role": "user", "content": text}] for _, text in written]
 
     def second_turns(chats):
-        tried = chats[:2 * FOLLOW_UPS]  # about a fifth of written messages are not kept
+        tried = chats[:2 * FOLLOW_UPS]  # about one written message in nine is not kept
         texts = write_messages(llm, tried, [seed + 40_000 + i for i in range(len(tried))],
                                HELD_OUT_WORDS)
         return [(i, t) for i, t in enumerate(texts) if t is not None][:FOLLOW_UPS]
@@ -251,8 +251,10 @@ def generate(args: argparse.Namespace) -> None:
     for k in range(first, first + args.shards):
         records, seconds = make(llm, k, args.max_new_tokens)
         tokens = sum(len(r.reply_ids) for r in records)
-        meta = {"target": target.name, "family": family, "shard": k, "first_turns": sum(r.turn == 1 for r in records),
-                "follow_ups": sum(r.turn == 2 for r in records), "max_new_tokens": args.max_new_tokens,
+        meta = {"target": target.name, "family": family, "shard": k,
+                "first_turns": sum(r.turn == 1 for r in records),
+                "follow_ups": sum(r.turn == 2 for r in records),
+                "max_new_tokens": args.max_new_tokens,
                 "concurrent_chats": args.concurrent, "threads": args.threads,
                 "reply_tokens": tokens, "seconds": round(seconds, 1),
                 "tokens_per_second": round(tokens / seconds, 2), "cpu": cpu_description(),
