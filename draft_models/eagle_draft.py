@@ -181,7 +181,8 @@ class EagleDraft(nn.Module):
 
     def load_saved(self, folder: Path) -> None:
         """Take the trainable weights of a draft `save` wrote (its layers, norm and fc; the
-        head must be the same tokens): training goes on from a shipped draft."""
+        head must be the same tokens): training goes on from a shipped draft, or from a
+        shallower one grown to this draft's depth."""
         from safetensors.torch import load_file
 
         saved = load_file(str(Path(folder) / "model.safetensors"))
@@ -197,12 +198,23 @@ class EagleDraft(nn.Module):
             if self.fuse is None or fuse.shape != self.fuse.weight.shape:
                 raise ValueError(f"{folder}: the saved draft reads other target layers")
             self.fuse.weight.data.copy_(fuse)
-        mine = {k: v for k, v in self.model.state_dict().items() if "rotary_emb" not in k}
         theirs = {k.removeprefix("model."): v for k, v in saved.items()}
+        saved_layers = 1 + max((int(k.split(".")[1]) for k in theirs if k.startswith("layers.")),
+                               default=-1)
+        # A draft can grow deeper than the saved one: its layers past the saved ones start as
+        # the identity (their attention and MLP outputs zeroed: the residual stream passes
+        # through), so the grown draft begins by computing what the saved one did.
+        grown = range(saved_layers, len(self.model.layers))
+        mine = {k: v for k, v in self.model.state_dict().items() if "rotary_emb" not in k
+                and not any(k.startswith(f"layers.{i}.") for i in grown)}
         if mine.keys() != theirs.keys():
             raise ValueError(f"{folder}: the saved draft's layers differ from this one's "
                              f"({sorted(theirs.keys() ^ mine.keys())[:4]})")
         self.model.load_state_dict(theirs, strict=False)
+        with torch.no_grad():
+            for i in grown:
+                self.model.layers[i].self_attn.o_proj.weight.zero_()
+                self.model.layers[i].mlp.down_proj.weight.zero_()
 
     def save(self, out: Path, extra_config: dict, dtype: torch.dtype = torch.bfloat16) -> None:
         """Safetensors without the embeddings; config.json naming the draft's kind."""

@@ -115,3 +115,12 @@ def test_training_goes_on_from_a_saved_draft(setup, tmp_path):
     other = EagleDraft(target, 1, torch.arange(4, 104))
     with pytest.raises(ValueError, match="other tokens"):
         other.load_saved(tmp_path / "draft")
+    # Grown one layer deeper, it starts as the saved draft; the new layer is then trainable.
+    deeper = EagleDraft(target, 2, trained.token_ids)
+    deeper.load_saved(tmp_path / "draft")
+    with torch.no_grad():
+        torch.testing.assert_close(deeper(ids, mask, prev), got)
+    assert deeper.model.layers[1].mlp.down_proj.weight.requires_grad
+    deeper.save(tmp_path / "deeper", {})
+    with pytest.raises(ValueError, match="layers differ"):
+        again.load_saved(tmp_path / "deeper")
