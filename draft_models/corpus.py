@@ -66,6 +66,7 @@ class Record:
 
 POOL, SELF = "shard", "self"  # the two families of shards: pool messages, self-written ones
 SELF_SEED_OFFSET = 50_000  # a self shard's message seeds, apart from its replies' seeds
+SELF_FOLLOW_UP_SEEDS = 40_000  # past SELF_SEED_OFFSET: its second messages' seeds
 
 
 def shard_path(corpus: Path, k: int, family: str = POOL) -> Path:
@@ -209,8 +210,8 @@ def generate_self_shard(llm, k: int, max_new_tokens: int) -> tuple[list[Record],
 
     def second_turns(chats):
         tried = chats[:2 * FOLLOW_UPS]  # about one written message in nine is not kept
-        texts = write_messages(llm, tried, [seed + 40_000 + i for i in range(len(tried))],
-                               HELD_OUT_WORDS)
+        seeds = [seed + SELF_FOLLOW_UP_SEEDS + i for i in range(len(tried))]
+        texts = write_messages(llm, tried, seeds, HELD_OUT_WORDS)
         return [(i, t) for i, t in enumerate(texts) if t is not None][:FOLLOW_UPS]
 
     records = _two_turn_records(llm, k, first, list(range(len(first))), second_turns,
