@@ -277,7 +277,8 @@ def eagle_loss(draft: EagleDraft, batch: tuple[torch.Tensor, ...], unroll: int,
     f_at = f[loss_mask][:, :draft.config.hidden_size]  # [P, H]: the final states
     prev = draft.features(prev)  # [B, T, H]
     target_p = torch.softmax(draft.logits(f_at), dim=-1)  # [P, K]: the target over K tokens
-    target_top = target_p.argmax(-1)
+    # (max's indices: argmax over bf16 rows under autocast runs several times slower)
+    target_top = target_p.max(-1).indices
     total, agreement = 0.0, []
     for _ in range(unroll):
         h = draft(ids, mask, prev)  # [B, T, H]
@@ -285,7 +286,7 @@ def eagle_loss(draft: EagleDraft, batch: tuple[torch.Tensor, ...], unroll: int,
         logits = draft.logits(h_at)
         ce = -(target_p * F.log_softmax(logits, dim=-1)).sum(-1).mean()
         total = total + reg_weight * F.smooth_l1_loss(h_at, f_at) + cls_weight * ce
-        agreement.append((logits.argmax(-1) == target_top).float().mean().item())
+        agreement.append((logits.detach().max(-1).indices == target_top).float().mean().item())
         # The next pass reads the draft's own states, as drafting one level deeper does.
         prev = torch.cat([torch.zeros_like(h[:, :1]), h[:, :-1].detach()], dim=1)
     return total / unroll, agreement

@@ -124,3 +124,23 @@ def test_training_goes_on_from_a_saved_draft(setup, tmp_path):
     deeper.save(tmp_path / "deeper", {})
     with pytest.raises(ValueError, match="layers differ"):
         again.load_saved(tmp_path / "deeper")
+
+
+def test_bf16_training_tracks_float32_and_keeps_float32_weights(setup, tmp_path):
+    """--precision bf16: the loss runs under autocast (bf16 products) while the weights and the
+    optimizer stay float32; the losses follow the float32 run's closely, yet not exactly (the
+    products did run in bf16)."""
+    target, records, states = setup
+    losses = {}
+    for bf16 in (False, True):
+        draft = fresh_draft(target)
+        log_path = tmp_path / f"loss-{bf16}.csv"
+        train(draft, state_batches(records, states, 2, seed=0), steps=6, lr=1e-3, warmup=2,
+              unroll=2, cls_weight=0.1, log_path=log_path, start=0.0, bf16=bf16)
+        assert all(p.dtype == torch.float32 for p in draft.trainable())
+        rows = log_path.read_text().splitlines()
+        column = rows[0].split(",").index("loss")
+        losses[bf16] = torch.tensor([float(r.split(",")[column]) for r in rows[1:]])
+    assert len(losses[True]) == 6
+    torch.testing.assert_close(losses[True], losses[False], rtol=0.03, atol=0.01)
+    assert not torch.equal(losses[True], losses[False])
