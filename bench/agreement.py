@@ -20,12 +20,11 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import tempfile
 from pathlib import Path
 
 from bench.compare import chat_prompts
-from bench.cpu_paths import PEER, llamacpp_prompt_text, peer_bin
+from bench.cpu_paths import PEER, llamacpp_prompt_text, peer_bin, run_peer
 from bench.options import add_threads, log
 from specserve import LLM, SamplingParams
 from specserve.draft_models.chat_prompts import HELD_OUT_PROMPTS
@@ -41,11 +40,10 @@ def llamacpp_text(bin_dir: Path, target: Path, prompt_text: str, max_tokens: int
     with tempfile.NamedTemporaryFile("w", suffix=".txt") as f:
         f.write(prompt_text + "\n")  # -f strips one trailing newline
         f.flush()
-        done = subprocess.run(
+        done = run_peer(
             [str(bin_dir / "llama-completion"), "-m", str(target), "-f", f.name, "-n",
              str(max_tokens), "-t", str(threads), "--temp", "0", "--top-k", "1", "-c", "1024",
-             "-no-cnv", "--no-warmup", "--no-display-prompt"],
-            capture_output=True, text=True, check=True, stdin=subprocess.DEVNULL)
+             "-no-cnv", "--no-warmup", "--no-display-prompt"])
     return done.stdout.removesuffix("\n").removesuffix(" [end of text]")
 
 

@@ -37,7 +37,6 @@ import argparse
 import inspect
 import re
 import statistics
-import subprocess
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -248,7 +247,7 @@ def decode_rates(llm, concurrency: tuple[int, ...], repeats: int, prompt_len: in
 def llamacpp_batched(gguf: Path, concurrency: tuple[int, ...], threads: int,
                      prompt_len: int = 64, new_tokens: int = 64) -> dict[int, dict[str, float]]:
     """llama-batched-bench's S_PP and S_TG per N on gguf (the peer build; {} without it)."""
-    from bench.cpu_paths import PEER, peer_bin
+    from bench.cpu_paths import PEER, peer_bin, run_peer
 
     bin_dir = peer_bin(PEER)
     if bin_dir is None:
@@ -256,7 +255,7 @@ def llamacpp_batched(gguf: Path, concurrency: tuple[int, ...], threads: int,
     cmd = [str(bin_dir / "llama-batched-bench"), "-m", str(gguf), "-c", "16384",
            "-npp", str(prompt_len), "-ntg", str(new_tokens),
            "-npl", ",".join(map(str, concurrency)), "-t", str(threads), "-tb", str(threads)]
-    text = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    text = run_peer(cmd).stdout
     out = {}
     for line in text.splitlines():  # | PP | TG | B | N_KV | T_PP s | S_PP t/s | T_TG s | S_TG t/s |
         cells = [c.strip() for c in line.strip().strip("|").split("|")]

@@ -41,6 +41,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import tempfile
@@ -153,6 +154,25 @@ def llamacpp_timing(log_text: str, speculative: bool) -> tuple[int, float, float
     return int(found[2]), float(prompt[1]) / 1e3, float(found[1]) / 1e3
 
 
+def run_peer(command: list[str]) -> subprocess.CompletedProcess:
+    """Run one llama.cpp binary and return its output; a crash is reported with what to try.
+
+    Its repacking of quantized weights for the CPU's own layout dies with SIGSEGV on some
+    Sapphire Rapids class Xeons (seen on two here); `LLAMA_ARG_REPACK=0` turns it off."""
+    done = subprocess.run(command, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    if done.returncode == 0:
+        return done
+    name = Path(command[0]).name
+    if done.returncode < 0:
+        how = f"died with {signal.Signals(-done.returncode).name}"
+        hint = ("" if os.environ.get("LLAMA_ARG_REPACK") == "0"
+                else "; if its weight repacking crashes on this CPU, run with LLAMA_ARG_REPACK=0")
+    else:
+        how, hint = f"exited with status {done.returncode}", ""
+    raise RuntimeError(f"llama.cpp's {name} {how}{hint}:\n{' '.join(command)}\n"
+                       f"{(done.stderr or done.stdout)[-1500:]}")
+
+
 def llamacpp_runner(bin_dir: Path, target: Path, draft: Path | None, tokenizer,
                     max_tokens: int, threads: int):
     """One prompt through llama-completion (no draft) or llama-speculative, timed by its own
@@ -170,8 +190,7 @@ def llamacpp_runner(bin_dir: Path, target: Path, draft: Path | None, tokenizer,
             else:
                 command = [str(bin_dir / "llama-speculative"), "-m", str(target), "-md",
                            str(draft), *common, "-td", str(threads), "-tbd", str(threads)]
-            done = subprocess.run(command, capture_output=True, text=True, check=True,
-                                  stdin=subprocess.DEVNULL)
+            done = run_peer(command)
         tokens, prompt_s, seconds = llamacpp_timing(done.stderr + done.stdout, draft is not None)
         # The prompt's forward stands for the time to the first token, so the row's tok/s counts
         # the prompt as specserve's rows do, and its decode rate, (len(token_ids) - 1) /
@@ -183,10 +202,8 @@ def llamacpp_runner(bin_dir: Path, target: Path, draft: Path | None, tokenizer,
 
 def llama_bench(bin_dir: Path, target: Path, threads: int, repeats: int) -> dict[int, float]:
     """Prompt-processing rates (tokens/s) for batches of 1, 5 and 512 tokens."""
-    done = subprocess.run(
-        [str(bin_dir / "llama-bench"), "-m", str(target), "-p", "1,5,512", "-n", "0",
-         "-t", str(threads), "-r", str(repeats), "-o", "json"],
-        capture_output=True, text=True, check=True, stdin=subprocess.DEVNULL)
+    done = run_peer([str(bin_dir / "llama-bench"), "-m", str(target), "-p", "1,5,512", "-n", "0",
+                     "-t", str(threads), "-r", str(repeats), "-o", "json"])
     return {int(r["n_prompt"]): float(r["avg_ts"]) for r in json.loads(done.stdout)}
 
 

@@ -1,12 +1,12 @@
 """bench.agreement's counting: tokens shared from the start of two continuations; the
-prompt text llama.cpp reads and its timing lines."""
+prompt text llama.cpp reads, its timing lines, and what a crash of its binaries reports."""
 
 from __future__ import annotations
 
 import pytest
 
 from bench.agreement import divergence_gap, same_text, shared_tokens
-from bench.cpu_paths import llamacpp_prompt_text, llamacpp_timing
+from bench.cpu_paths import llamacpp_prompt_text, llamacpp_timing, run_peer
 
 
 class Letters:
@@ -76,3 +76,25 @@ def test_llamacpp_timing_reads_the_prompt_and_the_decode_apart():
         llamacpp_timing(COMPLETION_LOG.replace("prompt eval", "prompt"), speculative=False)
     with pytest.raises(RuntimeError, match="llama-speculative"):
         llamacpp_timing(COMPLETION_LOG, speculative=True)
+
+
+def fake_binary(tmp_path, body: str) -> str:
+    path = tmp_path / "llama-completion"
+    path.write_text(f"#!/bin/sh\n{body}\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_a_peer_crash_names_the_signal_and_the_repacking_switch(tmp_path, monkeypatch):
+    monkeypatch.delenv("LLAMA_ARG_REPACK", raising=False)
+    assert run_peer([fake_binary(tmp_path, "echo fine")]).stdout == "fine\n"
+    crash = fake_binary(tmp_path, "echo 'loading model' >&2; kill -SEGV $$")
+    with pytest.raises(RuntimeError, match=r"(?s)llama-completion died with SIGSEGV.*"
+                                           r"LLAMA_ARG_REPACK=0.*loading model"):
+        run_peer([crash, "-m", "x.gguf"])
+    monkeypatch.setenv("LLAMA_ARG_REPACK", "0")  # already off: no advice to turn it off
+    with pytest.raises(RuntimeError, match="SIGSEGV") as err:
+        run_peer([crash])
+    assert "LLAMA_ARG_REPACK" not in str(err.value)
+    with pytest.raises(RuntimeError, match="exited with status 3"):
+        run_peer([fake_binary(tmp_path, "exit 3")])
