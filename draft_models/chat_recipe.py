@@ -321,13 +321,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
     run_key["records"] = len(records)
     digest = hashlib.sha256(json.dumps(run_key, sort_keys=True).encode()).hexdigest()[:12]
     bf16 = args.precision == "bf16" or (args.precision == "auto" and native_bf16())
-    log(f"training products in {'bf16 (autocast)' if bf16 else 'float32'} "
-        f"(--precision {args.precision})", start)
+    precision = "bf16" if bf16 else "fp32"
+    log(f"training products in {precision} (--precision {args.precision})", start)
     summary = train(draft, batches, args.steps, args.lr, args.warmup, args.unroll,
                     args.cls_weight, out / "draft_loss.csv", start,
                     checkpoint=work / f"{data_file.stem}-train-{digest}.pt",
                     reg_weight=args.reg_weight, bf16=bf16)
-    summary["precision"] = "bf16" if bf16 else "fp32"
+    summary["precision"] = precision
     summary["top1_agreement_before"] = agreement_before
     summary["top1_agreement_after"] = agreement(draft, held, held_states)
     summary["vocabulary_coverage_held_out"] = vocabulary_coverage(token_ids, held)
