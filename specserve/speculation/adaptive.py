@@ -11,15 +11,18 @@ and costs about T_target + k * (T_draft + T_row), so the controller picks the k 
 0..MAX_CHAIN with the most expected tokens per second (k = 0: no speculation this step).
 T_target is the time of a recent one-row decode step outside drafting (scheduling, the target
 forward, verification and commit: all that a step without a draft costs); T_row what one more query
-row adds to it, the slope of a running least-squares fit of that time against rows per forward
-(near 0 on a GPU, where verifying a few dozen rows costs about one; clearly not on a CPU, where
-every row is compute), and T_target that fit's value at one row. The slope is kept from the last
-steps whose rows varied: a run of steps without drafts has one row each and says nothing of it.
-(Reading such a run as free rows, as a first version did, lowered the cost just after every run of
-steps off, so on a CPU where a chain:1 does not pay the default model started chains that it then
-stopped again: 32% of first-turn steps drafted on a 2-vCPU Sapphire Rapids class Xeon, and the
-default mode ran 0.95-1.01x `off` against 0.97-1.03x with 17% drafted now; 8 held-out questions x
-64 tokens, 6 alternated rounds.) T_draft is measured on the draft stages of steps that draft: a
+row adds to it (near 0 on a GPU, where verifying a few dozen rows costs about one; clearly not on
+a CPU, where every row is compute). Both come from a least-squares line through the mean step
+time of each row count seen lately, each mean weighing as many of its recent steps as back it:
+T_row its slope, T_target its value at one row. Each row count keeps its own mean, so a run of
+steps without drafts (one row each) refreshes the one-row time and leaves what two-row steps
+said of a row. (Two earlier versions fitted a line through the recent steps themselves. The
+first read a run of one-row steps as free rows and started chains just after every such run.
+The second kept the slope from the last steps whose rows varied enough, a variance over 0.25
+rows squared, which steps of one and two rows never reach: a server whose default mode chooses
+only between chain:1 and off took rows for free and drafted where chain:1 loses. Replayed at
+a 2-vCPU Sapphire Rapids class Xeon's measured costs, 48-token requests whose draft is accepted
+30% of the time ran 0.93x `off`; now 0.99x.) T_draft is measured on the draft stages of steps that draft: a
 chain of k runs k draft forwards, the catch-up forward that yields depth 1 among them, and picks
 between them, except where the catch-up carries more than the tokens the last step committed
 (prompt chunks in a batch, or the tokens of steps without drafts: a probe's cost, which backing off
@@ -108,9 +111,12 @@ class _RequestState:
 class AdaptiveController:
     target_time_s: float | None = None  # EWMA of a decode step outside drafting
     draft_level_time_s: float | None = None  # EWMA of one draft level (its share of the stage)
-    # Running moments of (rows, seconds) of steps outside drafting, for the time one row adds.
-    _fit: list[float] | None = None  # E[x], E[y], E[x^2], E[xy]
-    _row_time_s: float = 0.0  # the fit's slope, the last time the rows varied enough to tell
+    # Per query-row count of decode steps: the EWMA of a step's time outside drafting, and the
+    # weight of the steps behind it (each older one FIT_DECAY less).
+    _time_by_rows: dict[int, float] = field(default_factory=dict)
+    _weight_by_rows: dict[int, float] = field(default_factory=dict)
+    _row_time_s: float = 0.0  # the fitted line's slope (0 until two row counts are seen)
+    _one_row_time_s: float | None = None  # the line at one row
     engine_acceptance: list[float] = field(  # a_1 .. a_MAX_CHAIN over every request
         default_factory=lambda: [PRIOR_ACCEPTANCE] * MAX_CHAIN)
     _engine_tries: list[float] = field(  # the weight behind each of them
@@ -138,13 +144,11 @@ class AdaptiveController:
         about decode), and its draft levels."""
         if target_rows is not None and target_rows <= MAX_FIT_ROWS:
             self.target_time_s = _ewma(self.target_time_s, target_time_s)
-            point = [target_rows, target_time_s, target_rows ** 2, target_rows * target_time_s]
-            self._fit = point if self._fit is None else [
-                FIT_DECAY * old + (1 - FIT_DECAY) * new for old, new in zip(self._fit, point)]
-            mean_x, mean_y, mean_xx, mean_xy = self._fit
-            var = mean_xx - mean_x ** 2
-            if var > 0.25:
-                self._row_time_s = max(0.0, (mean_xy - mean_x * mean_y) / var)
+            self._time_by_rows[target_rows] = _ewma(self._time_by_rows.get(target_rows),
+                                                    target_time_s)
+            self._weight_by_rows[target_rows] = (
+                FIT_DECAY * self._weight_by_rows.get(target_rows, 0.0) + 1.0)
+            self._fit_rows()
         if draft_levels:
             self.draft_level_time_s = _ewma(self.draft_level_time_s, levels_time_s / draft_levels)
 
@@ -209,12 +213,24 @@ class AdaptiveController:
         return self._row_time_s
 
     def step_time_s(self) -> float | None:
-        """A one-row step outside drafting: the fit at one row (the average of recent steps
-        includes drafting steps' verified rows); None until measured."""
-        if self._fit is None:
-            return self.target_time_s
-        mean_x, mean_y = self._fit[:2]
-        return max(mean_y - self._row_time_s * (mean_x - 1.0), 0.0) or self.target_time_s
+        """A one-row step outside drafting: the fitted line at one row (the average of recent
+        steps includes drafting steps' verified rows); None until measured."""
+        return self._one_row_time_s or self.target_time_s
+
+    def _fit_rows(self) -> None:
+        """The least-squares line through each row count's mean step time, weighted by the
+        steps behind each mean."""
+        if len(self._time_by_rows) < 2:
+            return
+        weights, times = self._weight_by_rows, self._time_by_rows
+        total = sum(weights.values())
+        mean_x = sum(w * rows for rows, w in weights.items()) / total
+        mean_y = sum(w * times[rows] for rows, w in weights.items()) / total
+        var = sum(w * (rows - mean_x) ** 2 for rows, w in weights.items()) / total
+        cov = sum(w * (rows - mean_x) * (times[rows] - mean_y)
+                  for rows, w in weights.items()) / total
+        self._row_time_s = max(0.0, cov / var)
+        self._one_row_time_s = max(mean_y - self._row_time_s * (mean_x - 1.0), 0.0) or None
 
     def _cost_ratio(self) -> float:
         """Cost of one more chain token (a draft level and a verified row) relative to a
