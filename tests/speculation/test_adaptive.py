@@ -191,16 +191,15 @@ def test_row_cost_is_fitted_from_forwards_of_varying_size_and_shortens_chains():
     assert ctl.step_time_s() == pytest.approx(0.012, rel=1e-3)
 
 
-
 @pytest.mark.parametrize("rate", [0.3, 0.45, 0.7])
 def test_steps_of_one_and_two_rows_teach_what_a_row_costs(rate):
     """A server whose default mode chooses between chain:1 and off: its steps have one or two
     rows. The controller learns a row's cost from them alone and runs about as fast as the best
     fixed choice. (A fit that waited for more varied rows took rows for free here: it drafted 40%
     of the steps at rate 0.3 and ran 0.92x `off`, and at 0.7 ran 1.05x where chain:1 gives
-    1.11x.) Costs as measured on a 2-vCPU Sapphire Rapids
-    class Xeon with the default model: a step 3.09 ms, a verified row 0.75 ms, a draft level
-    0.91 ms; 48-token requests accepted at `rate` at every depth."""
+    1.11x.) Costs as measured on a 2-vCPU Sapphire Rapids class Xeon with the default model: a
+    step 3.09 ms, a verified row 0.75 ms, a draft level 0.91 ms; 48-token requests accepted at
+    `rate` at every depth."""
     step, row, level = 3.09e-3, 0.75e-3, 0.91e-3
     # The shipped draft's prior (its acceptance.json, 2026-12-06)
     ctl = AdaptiveController(engine_acceptance=[0.429, 0.351, 0.298] + [0.5] * (MAX_CHAIN - 3))
@@ -224,6 +223,7 @@ def test_steps_of_one_and_two_rows_teach_what_a_row_costs(rate):
     ratio = (row + level) / step
     best = max(sum(rate ** d for d in range(k + 1)) / (1 + k * ratio) for k in range(MAX_CHAIN))
     assert tokens / seconds * step > best - 0.02
+
 
 def _rows_cost(ctl: AdaptiveController, step_s: float, row_s: float) -> None:
     for rows in [1, 2, 3, 1, 2, 4] * 4:
