@@ -106,12 +106,12 @@ def vocabulary_coverage(token_ids: torch.Tensor, records: Sequence[dict]) -> flo
 
 
 def corpus_records(corpus: Path, held_out_share: float = 0.1) -> tuple[list[dict], int]:
-    """The corpus shards (corpus.py, both families) as records, the held-out ones last, and how
+    """The corpus shards (corpus.py, every family) as records, the held-out ones last, and how
     many those are: per family, the greedy replies of its last shards, about `held_out_share` of
     its greedy replies (agreement with the target is measured against greedy replies only; the
     sampled ones of those shards are left out rather than trained on). A family of one shard is
     trained on whole; the pool family needs two."""
-    from .corpus import POOL, SELF, next_shard, read_shard, shard_path
+    from .corpus import FAMILIES, POOL, next_shard, read_shard, shard_path
 
     def split(family: str) -> tuple[list, list]:
         shards = [read_shard(shard_path(corpus, k, family))[0]
@@ -131,8 +131,8 @@ def corpus_records(corpus: Path, held_out_share: float = 0.1) -> tuple[list[dict
     def record(r) -> dict:
         return {"question": None, "prompt_ids": r.prompt_ids, "reply_ids": r.reply_ids}
 
-    (pool_train, pool_held), (self_train, self_held) = split(POOL), split(SELF)
-    train = [record(r) for r in pool_train + self_train]
-    held = [record(r) for r in pool_held + self_held]
+    splits = [split(family) for family in FAMILIES]
+    train = [record(r) for family_train, _ in splits for r in family_train]
+    held = [record(r) for _, family_held in splits for r in family_held]
     return train + held, len(held)
 

@@ -2,14 +2,18 @@
 
     nice -n 19 python -m draft_models.corpus generate --shards 40 --commit >> corpus.log 2>&1 &
     nice -n 19 python -m draft_models.corpus generate --family self --shards 40 --commit ...
+    nice -n 19 python -m draft_models.corpus generate --family ask --max-new-tokens 192 ...
     python -m draft_models.corpus stats
 
-Two families of shards. Pool shard k (`shard-NNNNN.npz`) holds `FIRST_TURNS` first-turn chats
+Three families of shards. Pool shard k (`shard-NNNNN.npz`) holds `FIRST_TURNS` first-turn chats
 (messages k * FIRST_TURNS ... of `corpus_prompts.message_pool()`) and `FOLLOW_UPS` two-turn chats
 that continue the first of them with the target's own reply in context and a follow-up question.
 Self shard k (`self-NNNNN.npz`) holds as many chats whose user messages, first and second, the
 target wrote itself (`self_messages.py`): phrasings and subjects the templates do not have, a
-record's `message` being its place in the shard. Half the replies are greedy, the
+record's `message` being its place in the shard. Question shard k (`ask-NNNNN.npz`) is made as a
+self shard whose first messages the target begins with a question's first words
+(`self_messages.QUESTION_STARTS`): the short factual and how-to questions chat users ask most.
+Half the replies are greedy, the
 rest sampled at temperature 0.7 / 0.85 / 1.0 (top_p 1, a fixed seed per record), so the draft
 learns the target's distribution and not one path through it.
 
@@ -64,9 +68,15 @@ class Record:
     finished: bool  # the reply ended (EOS) before max_new_tokens
 
 
-POOL, SELF = "shard", "self"  # the two families of shards: pool messages, self-written ones
-SELF_SEED_OFFSET = 50_000  # a self shard's message seeds, apart from its replies' seeds
-SELF_FOLLOW_UP_SEEDS = 40_000  # past SELF_SEED_OFFSET: its second messages' seeds
+# The families of shards: pool messages, self-written ones, self-written questions.
+POOL, SELF, ASK = "shard", "self", "ask"
+FAMILIES = (POOL, SELF, ASK)
+# A written message's seeds, apart from the replies' (shard k's: k * 100_003 + i, i < 256) and
+# from each other's: first messages from the offset on (at most 20 tries per message), second
+# messages SELF_FOLLOW_UP_SEEDS past it.
+SELF_SEED_OFFSET = 50_000
+ASK_SEED_OFFSET = 55_000
+SELF_FOLLOW_UP_SEEDS = 40_000
 
 
 def shard_path(corpus: Path, k: int, family: str = POOL) -> Path:
@@ -197,15 +207,18 @@ def generate_shard(llm, k: int, max_new_tokens: int) -> tuple[list[Record], floa
     return records, time.time() - start
 
 
-def generate_self_shard(llm, k: int, max_new_tokens: int) -> tuple[list[Record], float]:
+def generate_self_shard(llm, k: int, max_new_tokens: int,
+                        questions: bool = False) -> tuple[list[Record], float]:
     """Self shard k's records and the seconds they took: FIRST_TURNS distinct messages the
     target wrote (self_messages.py; a record's `message` is its place in the shard), and up to
-    FOLLOW_UPS of those chats continued with a second message it wrote after its own reply."""
-    from .self_messages import distinct_messages, write_messages
+    FOLLOW_UPS of those chats continued with a second message it wrote after its own reply.
+    With `questions`, question shard k's: the first messages begun with QUESTION_STARTS."""
+    from .self_messages import QUESTION_STARTS, distinct_messages, write_messages
 
     start = time.time()
-    seed = k * 100_003 + SELF_SEED_OFFSET
-    written = distinct_messages(llm, FIRST_TURNS, seed, HELD_OUT_WORDS)
+    seed = k * 100_003 + (ASK_SEED_OFFSET if questions else SELF_SEED_OFFSET)
+    written = distinct_messages(llm, FIRST_TURNS, seed, HELD_OUT_WORDS,
+                                starts=QUESTION_STARTS if questions else ("",))
     first = [[{"role": "user", "content": text}] for _, text in written]
 
     def second_turns(chats):
@@ -247,10 +260,13 @@ def generate(args: argparse.Namespace) -> None:
     target = Path(args.target) if args.target else default_target()
     llm = LLM(target, None, speculation="off", max_num_seqs=args.concurrent)
     family = args.family
-    make = generate_shard if family == POOL else generate_self_shard
     first = next_shard(corpus, family)
     for k in range(first, first + args.shards):
-        records, seconds = make(llm, k, args.max_new_tokens)
+        if family == POOL:
+            records, seconds = generate_shard(llm, k, args.max_new_tokens)
+        else:
+            records, seconds = generate_self_shard(llm, k, args.max_new_tokens,
+                                                   questions=family == ASK)
         tokens = sum(len(r.reply_ids) for r in records)
         meta = {"target": target.name, "family": family, "shard": k,
                 "first_turns": sum(r.turn == 1 for r in records),
@@ -295,7 +311,8 @@ def family_stats(corpus: Path, family: str) -> dict:
 def stats(args: argparse.Namespace) -> dict:
     corpus = Path(args.corpus)
     out = {"pool_messages": family_stats(corpus, POOL),
-           "self_written_messages": family_stats(corpus, SELF)}
+           "self_written_messages": family_stats(corpus, SELF),
+           "self_written_questions": family_stats(corpus, ASK)}
     print(json.dumps(out, indent=2))
     return out
 
@@ -310,9 +327,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     g.add_argument("--concurrent", type=int, default=CONCURRENT_CHATS)
     g.add_argument("--threads", type=int, default=2)
     g.add_argument("--commit", action="store_true", help="git-commit each shard once written")
-    g.add_argument("--family", choices=(POOL, SELF), default=POOL,
+    g.add_argument("--family", choices=FAMILIES, default=POOL,
                    help=f"{POOL!r}: the templated pool's messages; {SELF!r}: messages the "
-                        "target writes itself (self_messages.py)")
+                        f"target writes itself (self_messages.py); {ASK!r}: questions it "
+                        "writes from a question's first words")
     s = sub.add_parser("stats", help="what the corpus holds")
     for q in (g, s):
         q.add_argument("--corpus", default=str(CORPUS_DIR))

@@ -7,6 +7,12 @@ one (Magpie, Xu et al., 2024): requests for help, stories, maths, code, advice, 
 nobody listed, drawn from what the model itself expects users to say. Sampled at several
 temperatures, they widen the corpus's messages at no cost beyond a few dozen tokens each.
 
+Begun with a question's first words (`QUESTION_STARTS`, one per seed), the same model writes the
+short factual and how-to questions that chat users ask most ("How many feet are in a mile?",
+"Give me a recipe for a vegan meal without dairy."): the kind of message whose replies the draft
+is weakest on, where the target is least sure of itself (its mean top probability 0.59 on the
+held-out chat questions' replies against 0.80 on the corpus's; bench/HISTORY.md, 2026-12-07).
+
 A written message is kept when it ended by itself (the template's end of turn), is neither empty
 nor a runaway, names none of `corpus_prompts.HELD_OUT_WORDS` (the evaluation questions stay
 unseen) and was not written before in the same shard.
@@ -19,15 +25,22 @@ from collections.abc import Sequence
 MESSAGE_TEMPERATURES = (0.7, 0.85, 1.0)  # cycled over the candidates
 MAX_MESSAGE_TOKENS = 128
 MIN_MESSAGE_CHARS = 8
+QUESTION_STARTS = (
+    "What is", "How do I", "Why do", "Can you", "Explain", "Write a", "Give me", "Who was",
+    "Describe", "Suggest", "What are some", "How does", "What should I", "How many", "Tell me",
+    "Which", "What's the difference between", "How can I", "Why is", "Is it", "When did",
+    "Where", "List", "Help me",
+)  # 24 openings: coprime to the 3 temperatures, so each meets every temperature
 _MARKER = "\x00message\x00"
 
 
-def user_turn_opening(tokenizer, chat: Sequence[dict]) -> list[int]:
+def user_turn_opening(tokenizer, chat: Sequence[dict], start: str = "") -> list[int]:
     """Token ids of `chat` rendered with the model's template up to where the next user
-    message's text begins (the system prompt and role header included)."""
+    message's text begins (the system prompt and role header included), then `start`, the
+    message's first words if given."""
     text = tokenizer.apply_chat_template(list(chat) + [{"role": "user", "content": _MARKER}],
                                          tokenize=False, add_generation_prompt=False)
-    return tokenizer.encode(text[:text.index(_MARKER)], add_special_tokens=False)
+    return tokenizer.encode(text[:text.index(_MARKER)] + start, add_special_tokens=False)
 
 
 def acceptable(text: str, finished: bool, held_out_words: Sequence[str]) -> bool:
@@ -37,32 +50,40 @@ def acceptable(text: str, finished: bool, held_out_words: Sequence[str]) -> bool
 
 
 def write_messages(llm, chats: Sequence[Sequence[dict]], seeds: Sequence[int],
-                   held_out_words: Sequence[str]) -> list[str | None]:
+                   held_out_words: Sequence[str],
+                   starts: Sequence[str] = ("",)) -> list[str | None]:
     """For each chat, the next user message the target writes (sampled with its seed, at
-    MESSAGE_TEMPERATURES cycled by seed), or None where it is not acceptable."""
+    MESSAGE_TEMPERATURES cycled by seed, begun with `starts` cycled by seed), or None where it
+    is not acceptable."""
     from specserve import SamplingParams
 
-    openings = [user_turn_opening(llm.tokenizer, chat) for chat in chats]
+    begun = [starts[s % len(starts)] for s in seeds]
+    openings = [user_turn_opening(llm.tokenizer, chat, start)
+                for chat, start in zip(chats, begun)]
     params = [SamplingParams(temperature=MESSAGE_TEMPERATURES[s % len(MESSAGE_TEMPERATURES)],
                              top_p=1.0, max_tokens=MAX_MESSAGE_TOKENS, seed=s) for s in seeds]
     outs = llm.generate(openings, params)
-    return [o.text.strip() if acceptable(o.text, o.finish_reason == "stop", held_out_words)
-            else None for o in outs]
+    texts = [start + o.text for start, o in zip(begun, outs)]
+    return [text.strip() if acceptable(text, o.finish_reason == "stop", held_out_words)
+            else None for text, o in zip(texts, outs)]
 
 
 def distinct_messages(llm, count: int, first_seed: int, held_out_words: Sequence[str],
-                      batch: int | None = None) -> list[tuple[int, str]]:
-    """`count` distinct first-turn messages as (seed, text), written from an empty chat with
-    seeds first_seed, first_seed + 1, ... until enough are kept: the first acceptable ones in
-    seed order, so the same list on a rerun whatever the batch (by default half as many again
-    as wanted, written together: about one in nine is not kept, 31 of shard 0's first 288)."""
+                      batch: int | None = None,
+                      starts: Sequence[str] = ("",)) -> list[tuple[int, str]]:
+    """`count` distinct first-turn messages as (seed, text), written from an empty chat (begun
+    with `starts` cycled by seed) with seeds first_seed, first_seed + 1, ... until enough are
+    kept: the first acceptable ones in seed order, so the same list on a rerun whatever the
+    batch (by default half as many again as wanted, written together: about one in nine is not
+    kept, 31 of shard 0's first 288)."""
     batch = batch or count + count // 2
     kept: dict[str, int] = {}
     seed = first_seed
     while len(kept) < count:
         seeds = list(range(seed, seed + batch))
         seed += batch
-        for s, text in zip(seeds, write_messages(llm, [[]] * batch, seeds, held_out_words)):
+        texts = write_messages(llm, [[]] * batch, seeds, held_out_words, starts)
+        for s, text in zip(seeds, texts):
             if text is not None and text not in kept and len(kept) < count:
                 kept[text] = s
         if seed - first_seed > 20 * count + batch:

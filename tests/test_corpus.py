@@ -137,6 +137,30 @@ def test_a_self_shard_continues_chats_with_messages_the_target_wrote(monkeypatch
     assert [(r.turn, r.message) for r in records] == [(1, 0), (1, 1), (1, 2), (2, 0)]
 
 
+def test_a_question_shard_begins_its_first_messages_with_question_starts(monkeypatch):
+    from specserve.draft_models.self_messages import QUESTION_STARTS
+
+    monkeypatch.setattr(corpus, "FIRST_TURNS", 3)
+    monkeypatch.setattr(corpus, "FOLLOW_UPS", 1)
+    monkeypatch.setattr(corpus, "sampling_for", lambda k, i: (0.0, i))
+    llm = SelfWritingLLM()
+    records, _ = corpus.generate_self_shard(llm, 0, max_new_tokens=50, questions=True)
+    # Seeds run from ASK_SEED_OFFSET; the stand-in writes WRITTEN[seed % 8] after the start.
+    seeds = range(corpus.ASK_SEED_OFFSET, corpus.ASK_SEED_OFFSET + 4)
+    begun = [(QUESTION_STARTS[s % len(QUESTION_STARTS)], s) for s in seeds]
+    for (opening, p), (start, seed) in zip(llm.written, begun):
+        assert p.seed == seed and opening.endswith("<|im_start|>user\n" + start)
+    # WRITTEN 0-3 after QUESTION_STARTS 16-19: the second names "sky", a held-out word.
+    first_chats, _ = llm.calls[0]
+    assert [c[0]["content"] for c in first_chats] == [
+        "What's the difference betweenHow do I bake bread at home?", "Why isHi",
+        "Is itWhat is a good name for a cat?"]
+    # Second messages are written freely after the reply, as in a self shard.
+    follow_opening, _ = llm.written[-2]
+    assert follow_opening.endswith("<|im_start|>user\n")
+    assert [r.turn for r in records].count(1) == 3
+
+
 def test_shards_round_trip_and_resume_where_they_stop(tmp_path):
     recs = [Record([1, 2, 3], [40000, 5, 2], 0.0, 7, 11, 1, True),
             Record([1, 2, 3, 9], [6], 0.85, 8, 11, 2, False)]
@@ -188,11 +212,11 @@ def test_vocabulary_coverage_counts_reply_tokens_the_head_has():
     assert vocabulary_coverage(torch.tensor([3, 9]), records) == pytest.approx(3 / 5)
 
 
-@pytest.mark.parametrize("family", [corpus.POOL, corpus.SELF])
+@pytest.mark.parametrize("family", corpus.FAMILIES)
 def test_committed_shards_read_back(family):
     """Whatever the corpus job has committed so far is readable and consistent."""
     shards = corpus.next_shard(corpus.CORPUS_DIR, family)
-    assert shards > 0 or family == corpus.SELF
+    assert shards > 0 or family != corpus.POOL
     for k in range(shards):
         records, meta = read_shard(shard_path(corpus.CORPUS_DIR, k, family))
         assert meta["shard"] == k and len(records) == meta["first_turns"] + meta["follow_ups"]
