@@ -30,7 +30,11 @@ QUESTION_STARTS = (
     "Describe", "Suggest", "What are some", "How does", "What should I", "How many", "Tell me",
     "Which", "What's the difference between", "How can I", "Why is", "Is it", "When did",
     "Where", "List", "Help me",
-)  # 24 openings: coprime to the 3 temperatures, so each meets every temperature
+)
+# Openings and temperatures are both cycled by seed, and 24 is a multiple of the 3 temperatures,
+# so each opening is always written at the same temperature ("What is" at 0.7, "How do I" at
+# 0.85, ...). Kept so: the committed question shards were written this way and a rerun of one
+# must write it again.
 _MARKER = "\x00message\x00"
 
 
