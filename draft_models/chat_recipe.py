@@ -64,6 +64,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    "regression (0: the next-token loss alone)")
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--length-window", type=int, default=32, help="batches' worth of shuffled "
+                   "records sorted by length before they are cut into batches (1: batches of "
+                   "records drawn at random): similar lengths in a batch pad less")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--eval-prompts", type=int, default=12)
@@ -313,7 +316,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
         f"{len(token_ids)} tokens; top-1 agreement on held-out replies at depth 1..3 before "
         f"training {[round(a, 3) for a in agreement_before]}", start)
     draft.train()
-    batches = state_batches(train_records, train_states, args.batch_size, args.seed)
+    batches = state_batches(train_records, train_states, args.batch_size, args.seed,
+                            args.length_window)
     # One checkpoint per run's settings and data: another run (other settings, a grown corpus)
     # starts afresh instead of going on from this one.
     run_key = {k: v for k, v in vars(args).items()

@@ -238,33 +238,55 @@ class EagleDraft(nn.Module):
 
 
 def state_batches(records: Sequence[dict], states: Sequence[torch.Tensor], batch_size: int,
-                  seed: int) -> Iterator[tuple[torch.Tensor, ...]]:
+                  seed: int, length_window: int = 1) -> Iterator[tuple[torch.Tensor, ...]]:
     """Endless shuffled batches: ids, attention mask [B, T]; prev [B, T, W] (f_{j-1}, zeros at
     j = 0 and in padding); f [B, T, W]; loss mask [B, T] (positions predicting reply tokens).
-    W = (1 + k) H: the states' width (the final state, then k tapped layers' outputs)."""
+    W = (1 + k) H: the states' width (the final state, then k tapped layers' outputs).
+
+    With `length_window` > 1, each run of `length_window` batches' worth of shuffled records is
+    sorted by length, cut into batches, and those batches are shuffled: a batch's records are of
+    similar lengths, so a batch pads far less. (The corpus's records run from about 100 to 1000
+    tokens: batches of 8 drawn at random pad to 1.8x their tokens and 2.9x their attention's
+    work.) Every record is still seen once per pass, in an order that changes with each pass."""
     rng = random.Random(seed)
     order = list(range(len(records)))
     W = states[0].shape[-1]
+    lengths = [len(r["prompt_ids"]) + len(r["reply_ids"]) for r in records]
+    window = max(1, length_window) * batch_size
     while True:
         rng.shuffle(order)
-        for i in range(0, len(order) - batch_size + 1, batch_size):
-            picked = order[i:i + batch_size]
-            seqs = [records[j]["prompt_ids"] + records[j]["reply_ids"] for j in picked]
-            width = max(map(len, seqs))
-            ids = torch.zeros(len(picked), width, dtype=torch.long)
-            mask = torch.zeros(len(picked), width, dtype=torch.long)
-            f = torch.zeros(len(picked), width, W)
-            loss_mask = torch.zeros(len(picked), width, dtype=torch.bool)
-            for b, (j, seq) in enumerate(zip(picked, seqs)):
-                n = len(seq)
-                ids[b, :n] = torch.tensor(seq)
-                mask[b, :n] = 1
-                f[b, :n] = states[j].float()
-                # f_j predicts token j + 1: the reply's tokens are predicted from the last prompt
-                # position to the second-to-last reply position.
-                loss_mask[b, len(records[j]["prompt_ids"]) - 1:n - 1] = True
-            prev = torch.cat([torch.zeros(len(picked), 1, W), f[:, :-1]], dim=1)
-            yield ids, mask, prev, f, loss_mask
+        picks = []
+        for w in range(0, len(order) - batch_size + 1, window):
+            run = order[w:w + window]
+            if length_window > 1:
+                run = sorted(run, key=lambda j: lengths[j])
+            picks += [run[i:i + batch_size] for i in range(0, len(run) - batch_size + 1,
+                                                          batch_size)]
+        if length_window > 1:
+            rng.shuffle(picks)
+        for picked in picks:
+            yield _batch(records, states, picked, W)
+
+
+def _batch(records: Sequence[dict], states: Sequence[torch.Tensor], picked: Sequence[int],
+           W: int) -> tuple[torch.Tensor, ...]:
+    """One batch of state_batches: the records `picked`, padded to the longest."""
+    seqs = [records[j]["prompt_ids"] + records[j]["reply_ids"] for j in picked]
+    width = max(map(len, seqs))
+    ids = torch.zeros(len(picked), width, dtype=torch.long)
+    mask = torch.zeros(len(picked), width, dtype=torch.long)
+    f = torch.zeros(len(picked), width, W)
+    loss_mask = torch.zeros(len(picked), width, dtype=torch.bool)
+    for b, (j, seq) in enumerate(zip(picked, seqs)):
+        n = len(seq)
+        ids[b, :n] = torch.tensor(seq)
+        mask[b, :n] = 1
+        f[b, :n] = states[j].float()
+        # f_j predicts token j + 1: the reply's tokens are predicted from the last prompt
+        # position to the second-to-last reply position.
+        loss_mask[b, len(records[j]["prompt_ids"]) - 1:n - 1] = True
+    prev = torch.cat([torch.zeros(len(picked), 1, W), f[:, :-1]], dim=1)
+    return ids, mask, prev, f, loss_mask
 
 
 def eagle_loss(draft: EagleDraft, batch: tuple[torch.Tensor, ...], unroll: int,

@@ -144,3 +144,30 @@ def test_bf16_training_tracks_float32_and_keeps_float32_weights(setup, tmp_path)
     assert len(losses[True]) == 6
     torch.testing.assert_close(losses[True], losses[False], rtol=0.03, atol=0.01)
     assert not torch.equal(losses[True], losses[False])
+
+
+def test_length_windows_batch_records_of_like_length_and_see_each_once_a_pass():
+    """state_batches(length_window=w): each pass still holds every record once (all but the
+    last partial batch), batches hold records of similar lengths, so they pad less than batches
+    drawn at random, and the order of records changes from pass to pass."""
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.randint(4, 200, (64,), generator=gen).tolist()
+    records = [{"prompt_ids": [7] * 2, "reply_ids": list(range(n))} for n in lengths]
+    states = [torch.full((n + 2, 3), float(i)) for i, n in enumerate(lengths)]
+
+    def passes(window: int) -> list[list[list[int]]]:
+        batches = state_batches(records, states, 4, seed=0, length_window=window)
+        # a record's index is its states' value (in every real position of its row)
+        return [[[int(b[3][r, 0, 0]) for r in range(4)] for b in itertools.islice(batches, 16)]
+                for _ in range(2)]
+
+    def padding(batches) -> int:
+        return sum(4 * max(lengths[j] for j in b) - sum(lengths[j] for j in b) for b in batches)
+
+    for window in (1, 4):
+        first, second = passes(window)
+        assert sorted(j for b in first for j in b) == list(range(64))
+        assert sorted(j for b in second for j in b) == list(range(64))
+        assert first != second
+    windowed, random = passes(4)[0], passes(1)[0]
+    assert padding(windowed) < padding(random) / 2
