@@ -248,16 +248,20 @@ def state_batches(records: Sequence[dict], states: Sequence[torch.Tensor], batch
     similar lengths, so a batch pads far less. (The corpus's records run from about 100 to 1000
     tokens: batches of 8 drawn at random pad to 1.8x their tokens and 2.9x their attention's
     work.) Every record is still seen once per pass, in an order that changes with each pass."""
+    if length_window < 1:
+        raise ValueError(f"length_window {length_window}: expected 1 or more batches")
     rng = random.Random(seed)
     order = list(range(len(records)))
     W = states[0].shape[-1]
     lengths = [len(r["prompt_ids"]) + len(r["reply_ids"]) for r in records]
-    window = max(1, length_window) * batch_size
+    window = length_window * batch_size
     while True:
         rng.shuffle(order)
         picks = []
         for w in range(0, len(order) - batch_size + 1, window):
             run = order[w:w + window]
+            # (a window of one batch neither sorts nor shuffles: --length-window 1 gives the very
+            # batches, row order included, that training drew before windows)
             if length_window > 1:
                 run = sorted(run, key=lambda j: lengths[j])
             picks += [run[i:i + batch_size] for i in range(0, len(run) - batch_size + 1,

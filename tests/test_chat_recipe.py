@@ -171,3 +171,5 @@ def test_length_windows_batch_records_of_like_length_and_see_each_once_a_pass():
         assert first != second
     windowed, random = passes(4)[0], passes(1)[0]
     assert padding(windowed) < padding(random) / 2
+    with pytest.raises(ValueError, match="length_window 0"):
+        next(state_batches(records, states, 4, seed=0, length_window=0))
