@@ -55,6 +55,12 @@ FOLLOW_UPS = 64  # of those, continued with a second user turn
 TEMPERATURES = (0.0, 0.7, 0.0, 0.85, 0.0, 1.0)  # cycled over a shard's records: half greedy
 MAX_NEW_TOKENS = 384
 CONCURRENT_CHATS = 32
+# The generating engine's KV cache. A shard's chats (about 50k tokens of the default model, 46 KB
+# of float32 KV a token) then stay cached from their first turns to their follow-ups, so that
+# writing the second messages and answering them reuses the first turns' KV (prefix caching)
+# instead of computing it again; in the engine's default 512 MiB the first chats, the ones
+# continued, were evicted first. One question shard on SPR-480: 109 s -> 78 s, the same records.
+KV_CACHE_MIB = 2048
 
 
 @dataclass
@@ -258,7 +264,8 @@ def generate(args: argparse.Namespace) -> None:
     corpus = Path(args.corpus)
     corpus.mkdir(parents=True, exist_ok=True)
     target = Path(args.target) if args.target else default_target()
-    llm = LLM(target, None, speculation="off", max_num_seqs=args.concurrent)
+    llm = LLM(target, None, speculation="off", max_num_seqs=args.concurrent,
+              kv_cache_memory_bytes=args.kv_cache_mib * 2**20)
     family = args.family
     first = next_shard(corpus, family)
     for k in range(first, first + args.shards):
@@ -272,7 +279,8 @@ def generate(args: argparse.Namespace) -> None:
                 "first_turns": sum(r.turn == 1 for r in records),
                 "follow_ups": sum(r.turn == 2 for r in records),
                 "max_new_tokens": args.max_new_tokens,
-                "concurrent_chats": args.concurrent, "threads": args.threads,
+                "concurrent_chats": args.concurrent, "kv_cache_mib": args.kv_cache_mib,
+                "threads": args.threads,
                 "reply_tokens": tokens, "seconds": round(seconds, 1),
                 "tokens_per_second": round(tokens / seconds, 2), "cpu": cpu_description(),
                 "niceness": os.nice(0), "torch": torch.__version__,
@@ -325,6 +333,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     g.add_argument("--target", help="target .gguf or folder (default: the default model)")
     g.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS)
     g.add_argument("--concurrent", type=int, default=CONCURRENT_CHATS)
+    g.add_argument("--kv-cache-mib", type=int, default=KV_CACHE_MIB,
+                   help="the engine's KV cache (MiB): enough to keep a shard's chats")
     g.add_argument("--threads", type=int, default=2)
     g.add_argument("--commit", action="store_true", help="git-commit each shard once written")
     g.add_argument("--family", choices=FAMILIES, default=POOL,
@@ -335,6 +345,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     for q in (g, s):
         q.add_argument("--corpus", default=str(CORPUS_DIR))
     args = p.parse_args(argv)
+    if args.command == "generate":
+        for option in ("concurrent", "kv_cache_mib", "threads"):
+            if getattr(args, option) < 1:
+                p.error(f"--{option.replace('_', '-')} must be at least 1")
     (generate if args.command == "generate" else stats)(args)
 
 

@@ -98,6 +98,25 @@ class SelfWritingLLM(StandInLLM):
 DRAFT = Path(corpus.__file__).parent / "smollm2" / "draft"
 
 
+def test_a_shard_is_the_same_whatever_the_kv_cache_keeps(monkeypatch, tiny_target):
+    """The engine writes a shard with its KV cache large enough to keep the first turns for
+    their follow-ups (KV_CACHE_MIB): the follow-ups then reuse the cached prefixes, and the
+    records are those a cache that evicts them writes."""
+    from specserve import LLM
+
+    monkeypatch.setattr(corpus, "FIRST_TURNS", 6)
+    monkeypatch.setattr(corpus, "FOLLOW_UPS", 3)
+    shards, hits = [], []
+    for num_blocks in (40, 4096):  # 40 blocks of 16 tokens hold about three chats
+        llm = LLM(tiny_target, None, speculation="off", max_num_seqs=2, num_blocks=num_blocks)
+        records, _ = corpus.generate_shard(llm, 0, max_new_tokens=32)
+        shards.append(records)
+        hits.append(llm.engine.block_manager.prefix_hits)
+    assert [r.turn for r in shards[0]] == [1] * 6 + [2] * 3
+    assert shards[0] == shards[1]
+    assert hits[1] > hits[0]  # the kept first turns were reused
+
+
 def test_self_written_messages_are_finished_distinct_and_never_held_out():
     from specserve.draft_models.self_messages import MESSAGE_TEMPERATURES, distinct_messages
 
