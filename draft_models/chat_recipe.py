@@ -124,8 +124,10 @@ def train(draft, batches, steps: int, lr: float, warmup: int, unroll: int, cls_w
             for group in opt.param_groups:
                 group["lr"] = cosine_lr(step, steps, lr, warmup)
             batch = next(batches)
+            logged = step % 20 == 0 or step == steps - 1
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                loss, agreement = eagle_loss(draft, batch, unroll, cls_weight, reg_weight)
+                loss, agreement = eagle_loss(draft, batch, unroll, cls_weight, reg_weight,
+                                             measure_agreement=logged)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(draft.trainable(), 1.0)
             opt.step()
@@ -134,7 +136,7 @@ def train(draft, batches, steps: int, lr: float, warmup: int, unroll: int, cls_w
             ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
             loss_log.write(step, opt.param_groups[0]["lr"], loss.item(), grad_norm.item(),
                            tokens, time.time() - t0)
-            if step % 20 == 0 or step == steps - 1:
+            if logged:
                 log(f"step {step}/{steps} loss {loss.item():.3f} (ema {ema:.3f}), top-1 "
                     f"agreement per pass {[round(a, 3) for a in agreement]}", start)
             if checkpoint is not None and ((step + 1) % save_every == 0 or step == steps - 1):

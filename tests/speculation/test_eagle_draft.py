@@ -329,7 +329,9 @@ def test_loss_weights_scale_their_own_terms(pair):
     draft = EagleDraft(target, 1, HEAD_IDS, (0,))
     batch = next(state_batches(records, states, 4, seed=0))
     with torch.no_grad():
-        both, _ = eagle_loss(draft, batch, unroll=1, cls_weight=0.3, reg_weight=2.0)
+        both, measured = eagle_loss(draft, batch, unroll=1, cls_weight=0.3, reg_weight=2.0)
+        unmeasured = eagle_loss(draft, batch, unroll=1, cls_weight=0.3, reg_weight=2.0,
+                                measure_agreement=False)
         reg_only, _ = eagle_loss(draft, batch, unroll=1, cls_weight=0.0, reg_weight=1.0)
         cls_only, _ = eagle_loss(draft, batch, unroll=1, cls_weight=1.0, reg_weight=0.0)
         ids, mask, prev, f, loss_mask = batch
@@ -339,3 +341,5 @@ def test_loss_weights_scale_their_own_terms(pair):
     assert reg_only > 0 and cls_only > 0
     torch.testing.assert_close(cls_only, ce)
     torch.testing.assert_close(both, 2.0 * reg_only + 0.3 * cls_only)
+    assert len(measured) == 1 and unmeasured[1] == []  # the agreement only when asked for
+    torch.testing.assert_close(unmeasured[0], both)
