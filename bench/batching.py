@@ -27,8 +27,10 @@ alternate which run goes first; the table shows the median.
 `--beside-llamacpp` (a GGUF `--target`) measures instead what llama.cpp's `llama-batched-bench
 -npp 64 -ntg 64 -npl N` does, on the same file in the same run: N sequences of 64 random prompt
 tokens (fresh ids each time: no prefix hits), 64 new tokens each, greedy; aggregate decode
-tokens/s = N x 64 / (time of 65 new tokens - time of 1, the prefill), best of `--repeats`, beside
-its S_TG column (decode tokens/s over all sequences), and both prefill rates.
+tokens/s = N x 64 / (time of 65 new tokens - time of 1, the prefill), beside its S_TG column
+(decode tokens/s over all sequences), and both prefill rates. The two alternate, one N at a
+time (ours, then llama.cpp's, `--repeats` times, each side's best kept), so a drift in the
+machine's speed over the minutes a sweep takes lands on both sides of a ratio alike.
 """
 
 from __future__ import annotations
@@ -265,6 +267,23 @@ def llamacpp_batched(gguf: Path, concurrency: tuple[int, ...], threads: int,
     return out
 
 
+def rates_beside_llamacpp(llm, gguf: Path, concurrency: tuple[int, ...], repeats: int,
+                          threads: int) -> tuple[dict, dict]:
+    """(ours, llama.cpp's) per N as decode_rates and llamacpp_batched give them, measured in
+    turns: for each N, `repeats` rounds of ours then theirs; per side the round with the higher
+    decode rate. llama.cpp's side is empty without the peer build."""
+    ours: dict[int, dict[str, float]] = {}
+    theirs: dict[int, dict[str, float]] = {}
+    for n in concurrency:
+        for _ in range(repeats):
+            for side, rates in ((ours, decode_rates(llm, (n,), 1)),
+                                (theirs, llamacpp_batched(gguf, (n,), threads))):
+                if n in rates and rates[n]["decode_tok_s"] > side.get(n, {}).get(
+                        "decode_tok_s", -1.0):
+                    side[n] = rates[n]
+    return ours, theirs
+
+
 def format_beside(ours: dict, theirs: dict) -> str:
     lines = ["| N | specserve decode tok/s | llama.cpp decode tok/s | ratio | specserve prefill "
              "tok/s | llama.cpp prefill tok/s |", "|---|---|---|---|---|---|"]
@@ -310,9 +329,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench throughput"
     llm = LLM(target, draft, speculation=args.speculation, dtype=args.dtype,
               max_num_seqs=max(args.concurrency), enable_prefix_caching=args.prefix_caching)
     if args.beside_llamacpp:
-        concurrency = tuple(args.concurrency)
-        ours = decode_rates(llm, concurrency, args.repeats)
-        theirs = llamacpp_batched(args.target, concurrency, torch.get_num_threads())
+        ours, theirs = rates_beside_llamacpp(llm, args.target, tuple(args.concurrency),
+                                             args.repeats, torch.get_num_threads())
         if args.json:
             write_json(args, {"specserve": ours, "llama.cpp": theirs})
             return

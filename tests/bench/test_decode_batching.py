@@ -111,3 +111,36 @@ def test_demo_prompts_mix_chat_and_code() -> None:
     assert len(prompts) == len(set(prompts)) == 8
     assert sum(p.startswith("# file: ") for p in prompts) == 2
     assert all(p.endswith("<|im_start|>assistant\n") for i, p in enumerate(prompts) if i % 4 != 3)
+
+
+def test_beside_llamacpp_alternates_per_n_and_keeps_each_sides_best(monkeypatch) -> None:
+    """Ours and llama.cpp's runs take turns, one N at a time, so a drift in the machine's speed
+    falls on both sides of each ratio; per side the fastest round is kept."""
+    calls = []
+    rounds = {"ours": iter([10.0, 30.0, 20.0, 5.0]), "theirs": iter([7.0, 3.0, 1.0, 9.0])}
+
+    def fake(side):
+        def rates(*args):
+            n = args[1][0]
+            calls.append((side, n))
+            return {n: {"decode_tok_s": next(rounds[side]), "prefill_tok_s": 1.0}}
+        return rates
+
+    monkeypatch.setattr(batching, "decode_rates", fake("ours"))
+    monkeypatch.setattr(batching, "llamacpp_batched", fake("theirs"))
+    ours, theirs = batching.rates_beside_llamacpp(None, Path("m.gguf"), (4, 16), repeats=2,
+                                                  threads=2)
+    assert calls == [("ours", 4), ("theirs", 4), ("ours", 4), ("theirs", 4),
+                     ("ours", 16), ("theirs", 16), ("ours", 16), ("theirs", 16)]
+    assert {n: r["decode_tok_s"] for n, r in ours.items()} == {4: 30.0, 16: 20.0}
+    assert {n: r["decode_tok_s"] for n, r in theirs.items()} == {4: 7.0, 16: 9.0}
+
+
+def test_beside_llamacpp_without_the_peer_keeps_ours(monkeypatch) -> None:
+    monkeypatch.setattr(batching, "decode_rates",
+                        lambda llm, ns, repeats: {ns[0]: {"decode_tok_s": 2.0,
+                                                          "prefill_tok_s": 1.0}})
+    monkeypatch.setattr(batching, "llamacpp_batched", lambda gguf, ns, threads: {})
+    ours, theirs = batching.rates_beside_llamacpp(None, Path("m.gguf"), (1, 4), 1, 2)
+    assert sorted(ours) == [1, 4] and theirs == {}
+    assert "| 4 | 2.0 | - | - |" in batching.format_beside(ours, theirs)
