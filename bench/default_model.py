@@ -11,7 +11,9 @@ checks (identical outputs in every mode) and columns are those of `bench.compare
 llama.cpp peer is built (`../shared/tools/llamacpp-peer build`), a `llama.cpp` row runs the same
 GGUF file through `llama-completion` (greedy, the same threads; timed by its own prompt and
 eval lines, so its tok/s counts the prompt as specserve's do and its ms/tok is its decode alone),
-interleaved with specserve's rows; `--no-llamacpp` leaves it out.
+interleaved with specserve's rows; `--no-llamacpp` leaves it out. Last, each specserve row's
+time per generated token by engine stage (draft, target forward, ...), as `bench.compare`
+prints it: with the acceptance, what a draft level and a verified row cost on this CPU.
 
 `--target FILE.gguf [--draft DRAFT]` measures another model the same way instead (e.g. a
 Q4_K_M file, such as the Gemma 3 270M one): llama.cpp runs the same target file, with
@@ -34,6 +36,7 @@ from bench.compare import (
     add_common_args,
     chat_prompts,
     environment,
+    format_profile,
     format_rows,
     log,
     setup,
@@ -123,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     by_name = {row.name: row for row in rows}
     print(format_rows(rows, [(names[0], by_name[names[0]]), (LLAMA, by_name.get(LLAMA))]))
     print("\n" + "\n".join(decode_table(rows, [names[0], LLAMA])))
+    # Where each mode's time goes (draft levels, target forwards): why a mode pays or not on
+    # the CPU at hand.
+    print("\n" + format_profile(rows))
     print(f"\nload average at the end {os.getloadavg()[0]:.2f}")
     return 0
 
