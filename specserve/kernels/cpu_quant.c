@@ -876,11 +876,11 @@ SIMD_INLINE __m256i pair_at(const int16_t *x) {
 }
 
 /* MR activation rows (int16 blocks) x NG halves of a tiled group from half h0 on (8 weight
- * rows each): out[i][8 h + r]. Both halves at once share each activation broadcast (few rows);
- * one half at a time leaves registers for more rows. */
+ * rows each): out[i][8 h + r] for i < MR. Both halves at once share each activation broadcast
+ * (few rows); one half at a time leaves registers for more rows. */
 SIMD_INLINE void tiled_micro_kernel(const int MR, const int NG, const int h0, const int fmt,
                                     const int_ctx *c, int64_t m0, const uint8_t *group,
-                                    float out[MR_MAX][TILE_ROWS]) {
+                                    float (*out)[TILE_ROWS]) {
     const int bb = block_bytes(fmt), header = fmt == FMT_Q4_1 ? 4 : 2;
     __m256 acc[MR_MAX][2];
 #pragma GCC unroll 8
@@ -1028,7 +1028,7 @@ SIMD_INLINE __m256i q6_k_tiled_values(const uint8_t *t, int h, int sub, int j) {
  * 71 -> 57 ms, 1 row 20 -> 19 ms. */
 SIMD_INLINE void tiled_k_micro_kernel(const int MR, const int NG, const int h0, const int fmt,
                                       const int_ctx *c, int64_t m0, const uint8_t *group,
-                                      float out[MR_MAX][TILE_ROWS]) {
+                                      float (*out)[TILE_ROWS]) {
     const int bb = block_bytes(fmt);
     __m256 acc[MR_MAX][2];
 #pragma GCC unroll 8
@@ -1149,7 +1149,7 @@ SIMD_INLINE void tiled_k_micro_kernel(const int MR, const int NG, const int h0, 
  * format: each row's block is put back in GGUF's byte order first). */
 SIMD_INLINE void tiled_micro_kernel(const int MR, const int NG, const int h0, const int fmt,
                                     const int_ctx *c, int64_t m0, const uint8_t *group,
-                                    float out[MR_MAX][TILE_ROWS]) {
+                                    float (*out)[TILE_ROWS]) {
     const int bb = block_bytes(fmt), subs = is_k_quant(fmt) ? SUBS : 1;
     float acc[MR_MAX][TILE_ROWS] = {{0}};
     for (int64_t blk = 0; blk < c->nb / subs; blk++) {
@@ -1465,18 +1465,38 @@ SIMD_INLINE void group_k_micro_kernel(const int MR, const int fmt, const int_ctx
 #endif
 /* k-quants: one row both halves at once; more, one half at a time (Q4_K: two isums per row
  * and half stay live in the j loop). Q6_K's one isum per row and half leaves registers for two
- * rows' both halves: 2 rows 7% faster (first-generation Zen), 5 rows 6% slower. */
+ * rows' both halves: 2 rows 7% faster (first-generation Zen), 5 rows 6% slower. Q4_K's 5 and 6
+ * rows run as 3 + 2 and 3 + 3 (the group's blocks unpacked twice): with 10 or 12 isums and 5
+ * or 6 sums live the kernel spilled. 2-core Zen 3, 24 widened layers, best of 15: 5 rows 30.1
+ * -> 26.6 ms, 6 rows 36.6 -> 29.7, 16 rows 93.2 -> 78.0, 32 rows 174.2 -> 144.5, the same
+ * bits; Q6_K split so ran 10-13% slower. */
+#define TILED_K_HALVES(MR, FMT, M0, OUT) \
+    for (int h = 0; h < 2; h++) TILED_K(MR, 1, h, FMT, c, M0, group, OUT)
 #define TILED_K_DISPATCH_MR(FMT)                                                        \
     switch (mr) {                                                                       \
         case 1: TILED_K(1, 2, 0, FMT, c, m0, group, out); break;                        \
         case 2:                                                                         \
             if (FMT == FMT_Q6_K) TILED_K(2, 2, 0, FMT, c, m0, group, out);              \
-            else for (int h = 0; h < 2; h++) TILED_K(2, 1, h, FMT, c, m0, group, out);  \
+            else TILED_K_HALVES(2, FMT, m0, out);                                       \
             break;                                                                      \
-        case 3: for (int h = 0; h < 2; h++) TILED_K(3, 1, h, FMT, c, m0, group, out); break; \
-        case 4: for (int h = 0; h < 2; h++) TILED_K(4, 1, h, FMT, c, m0, group, out); break; \
-        case 5: for (int h = 0; h < 2; h++) TILED_K(5, 1, h, FMT, c, m0, group, out); break; \
-        default: for (int h = 0; h < 2; h++) TILED_K(6, 1, h, FMT, c, m0, group, out); break; \
+        case 3: TILED_K_HALVES(3, FMT, m0, out); break;                                 \
+        case 4: TILED_K_HALVES(4, FMT, m0, out); break;                                 \
+        case 5:                                                                         \
+            if (FMT == FMT_Q4_K) {                                                      \
+                TILED_K_HALVES(3, FMT, m0, out);                                        \
+                TILED_K_HALVES(2, FMT, m0 + 3, out + 3);                                \
+            } else {                                                                    \
+                TILED_K_HALVES(5, FMT, m0, out);                                        \
+            }                                                                           \
+            break;                                                                      \
+        default:                                                                        \
+            if (FMT == FMT_Q4_K) {                                                      \
+                TILED_K_HALVES(3, FMT, m0, out);                                        \
+                TILED_K_HALVES(3, FMT, m0 + 3, out + 3);                                \
+            } else {                                                                    \
+                TILED_K_HALVES(6, FMT, m0, out);                                        \
+            }                                                                           \
+            break;                                                                      \
     }
 
 static void tiled_tile(const void *ctx, int64_t m0, int mr, int64_t n0, int nr,

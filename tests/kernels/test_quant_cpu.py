@@ -209,7 +209,7 @@ def test_tiled_order_gives_the_same_bits(isa: str, fmt: str, m: int, n: int, k: 
 
 @pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("fmt", K_QUANTS)
-@pytest.mark.parametrize("m", [1, 2, 4, 7])
+@pytest.mark.parametrize("m", [1, 2, 4, 6, 7])
 def test_k_quant_kernels_on_random_blocks(isa: str, fmt: str, m: int, act: str):
     """Random k-quant bytes (negative Q6_K scales, every packed 6-bit Q4_K field) in every row
     order the activation format runs: the integer kernel gives its model's bits, the fp32 one
