@@ -1472,11 +1472,12 @@ SIMD_INLINE void group_k_micro_kernel(const int MR, const int fmt, const int_ctx
 #endif
 /* k-quants: one row both halves at once; more, one half at a time (Q4_K: two isums per row
  * and half stay live in the j loop). Q6_K's one isum per row and half leaves registers for two
- * rows' both halves: 2 rows 7% faster (first-generation Zen), 5 rows 6% slower. Q4_K's 5 and 6
- * rows run as 3 + 2 and 3 + 3 (the group's blocks unpacked twice): with 10 or 12 isums and 5
- * or 6 sums live the kernel spilled. 2-core Zen 3, 24 widened layers, best of 15: 5 rows 30.1
- * -> 26.6 ms, 6 rows 36.6 -> 29.7, 16 rows 93.2 -> 78.0, 32 rows 174.2 -> 144.5, the same
- * bits; Q6_K split so ran 10-13% slower. */
+ * rows' both halves: 2 rows 7% faster (first-generation Zen), 5 rows 6% slower. Q4_K's 4, 5
+ * and 6 rows run as 2 + 2, 3 + 2 and 3 + 3 (the group's blocks unpacked twice): with 8-12
+ * isums and 4-6 sums live the kernel spilled. 2-core Zen 3, 24 widened layers, best of 11-15,
+ * ms before -> after: 4 rows 24.1 -> 21.1, 5 rows 30.1 -> 26.6, 6 rows 36.6 -> 29.7, 8 rows
+ * 47.8 -> 41.7, 16 rows 93.2 -> 78.0, 32 rows 174.2 -> 144.5, the same bits; Q6_K split so
+ * ran 10-13% slower. */
 #define TILED_K_HALVES(MR, FMT, M0, OUT) \
     for (int h = 0; h < 2; h++) TILED_K(MR, 1, h, FMT, c, M0, group, OUT)
 #define TILED_K_DISPATCH_MR(FMT)                                                        \
@@ -1487,7 +1488,14 @@ SIMD_INLINE void group_k_micro_kernel(const int MR, const int fmt, const int_ctx
             else TILED_K_HALVES(2, FMT, m0, out);                                       \
             break;                                                                      \
         case 3: TILED_K_HALVES(3, FMT, m0, out); break;                                 \
-        case 4: TILED_K_HALVES(4, FMT, m0, out); break;                                 \
+        case 4:                                                                         \
+            if (FMT == FMT_Q4_K) {                                                      \
+                TILED_K_HALVES(2, FMT, m0, out);                                        \
+                TILED_K_HALVES(2, FMT, m0 + 2, out + 2);                                \
+            } else {                                                                    \
+                TILED_K_HALVES(4, FMT, m0, out);                                        \
+            }                                                                           \
+            break;                                                                      \
         case 5:                                                                         \
             if (FMT == FMT_Q4_K) {                                                      \
                 TILED_K_HALVES(3, FMT, m0, out);                                        \
