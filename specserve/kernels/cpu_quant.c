@@ -1480,6 +1480,14 @@ SIMD_INLINE void group_k_micro_kernel(const int MR, const int fmt, const int_ctx
  * ran 10-13% slower. */
 #define TILED_K_HALVES(MR, FMT, M0, OUT) \
     for (int h = 0; h < 2; h++) TILED_K(MR, 1, h, FMT, c, M0, group, OUT)
+/* MR rows: Q4_K as FIRST rows, then the rest; other formats in one pass. */
+#define TILED_K_ROWS(MR, FIRST, FMT)                                                    \
+    if (FMT == FMT_Q4_K) {                                                              \
+        TILED_K_HALVES(FIRST, FMT, m0, out);                                            \
+        TILED_K_HALVES(MR - FIRST, FMT, m0 + FIRST, out + FIRST);                       \
+    } else {                                                                            \
+        TILED_K_HALVES(MR, FMT, m0, out);                                               \
+    }
 #define TILED_K_DISPATCH_MR(FMT)                                                        \
     switch (mr) {                                                                       \
         case 1: TILED_K(1, 2, 0, FMT, c, m0, group, out); break;                        \
@@ -1488,30 +1496,9 @@ SIMD_INLINE void group_k_micro_kernel(const int MR, const int fmt, const int_ctx
             else TILED_K_HALVES(2, FMT, m0, out);                                       \
             break;                                                                      \
         case 3: TILED_K_HALVES(3, FMT, m0, out); break;                                 \
-        case 4:                                                                         \
-            if (FMT == FMT_Q4_K) {                                                      \
-                TILED_K_HALVES(2, FMT, m0, out);                                        \
-                TILED_K_HALVES(2, FMT, m0 + 2, out + 2);                                \
-            } else {                                                                    \
-                TILED_K_HALVES(4, FMT, m0, out);                                        \
-            }                                                                           \
-            break;                                                                      \
-        case 5:                                                                         \
-            if (FMT == FMT_Q4_K) {                                                      \
-                TILED_K_HALVES(3, FMT, m0, out);                                        \
-                TILED_K_HALVES(2, FMT, m0 + 3, out + 3);                                \
-            } else {                                                                    \
-                TILED_K_HALVES(5, FMT, m0, out);                                        \
-            }                                                                           \
-            break;                                                                      \
-        default:                                                                        \
-            if (FMT == FMT_Q4_K) {                                                      \
-                TILED_K_HALVES(3, FMT, m0, out);                                        \
-                TILED_K_HALVES(3, FMT, m0 + 3, out + 3);                                \
-            } else {                                                                    \
-                TILED_K_HALVES(6, FMT, m0, out);                                        \
-            }                                                                           \
-            break;                                                                      \
+        case 4: TILED_K_ROWS(4, 2, FMT) break;                                          \
+        case 5: TILED_K_ROWS(5, 3, FMT) break;                                          \
+        default: TILED_K_ROWS(6, 3, FMT) break;                                         \
     }
 
 static void tiled_tile(const void *ctx, int64_t m0, int mr, int64_t n0, int nr,
