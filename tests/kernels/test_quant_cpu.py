@@ -209,11 +209,12 @@ def test_tiled_order_gives_the_same_bits(isa: str, fmt: str, m: int, n: int, k: 
 
 @pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("fmt", K_QUANTS)
-@pytest.mark.parametrize("m", [1, 2, 4, 6, 7])
+@pytest.mark.parametrize("m", [1, 2, 4, 6, 7, 8, 70])
 def test_k_quant_kernels_on_random_blocks(isa: str, fmt: str, m: int, act: str):
     """Random k-quant bytes (negative Q6_K scales, every packed 6-bit Q4_K field) in every row
     order the activation format runs: the integer kernel gives its model's bits, the fp32 one
-    the reference's sums within fp32 rounding."""
+    the reference's sums within fp32 rounding. From 4 (Q6_K) or 8 (Q4_K) rows the tiled order
+    runs the many-rows kernel on AVX2; 70 rows take two of its batches."""
     qw = _random_blocks(fmt, 48, 3 * QK_K, seed=m)
     x = _randn(m, 3 * QK_K, seed=m).to(torch.bfloat16)
     orders = (1, ROW_GROUP) if act == "fp32" else (1, ROW_GROUP, TILE_ROWS)
