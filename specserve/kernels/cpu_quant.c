@@ -1558,6 +1558,119 @@ SIMD_INLINE void many_rows_kernel(const int MR, const int fmt, const int_ctx *c,
     }
 }
 
+/* ---- Q6_K at one or two rows (AVX2): both halves of a group from one 32-byte load ----------
+ *
+ * tiled_k_micro_kernel unpacks a Q6_K word 8 rows at a time: two 16-byte loads (low and high
+ * bits) and the bit assembly per half, then a cross-lane widening. At one or two rows that
+ * unpacking is most of the work. Here each word's 16 rows (32 bytes) are loaded and assembled at
+ * once and widened within 128-bit lanes, so the two int16 vectors hold rows 0-3 and 8-11
+ * ("lo") and rows 4-7 and 12-15 ("hi"); the scales are put in the same lane order, and the
+ * sums back in row order at the end. Each lane's integers and fp32 operations are
+ * tiled_k_micro_kernel's, so the bits are too. */
+
+/* Weights 2j, 2j + 1 of block `sub` of a tiled Q6_K super-block t, unsigned (0..63), all 16
+ * rows: as q6_k_tiled_values picks them, in lo / hi lane order. */
+SIMD_INLINE void q6_k_pair_values(const uint8_t *t, int sub, int j, __m256i *lo, __m256i *hi) {
+    const int hh = sub / 4, s = sub % 4;
+    const __m256i ql = _mm256_loadu_si256((const __m256i *)(t + 32 * (32 * hh + 16 * (s % 2) + j)));
+    const __m256i qh = _mm256_loadu_si256((const __m256i *)(t + 32 * (64 + 16 * hh + j)));
+    const __m256i low = _mm256_and_si256(s < 2 ? ql : _mm256_srli_epi16(ql, 4), _mm256_set1_epi8(15));
+    const __m256i high = s == 0 ? _mm256_slli_epi16(qh, 4)
+                         : s == 1 ? _mm256_slli_epi16(qh, 2)
+                         : s == 2 ? qh : _mm256_srli_epi16(qh, 2);
+    const __m256i q = _mm256_or_si256(low, _mm256_and_si256(high, _mm256_set1_epi8(0x30)));
+    *lo = _mm256_unpacklo_epi8(q, _mm256_setzero_si256());
+    *hi = _mm256_unpackhi_epi8(q, _mm256_setzero_si256());
+}
+
+/* d sc of 16-weight sub-block u of all 16 rows as fp32, in lo / hi lane order (d: the rows'
+ * d in that order): the int8 scale sign-extended as q6_k_tiled_scale does. */
+SIMD_INLINE void q6_k_pair_scales(const uint8_t *t, int u, const __m256 d[2], __m256 ds[2]) {
+    const __m256i words = _mm256_loadu_si256((const __m256i *)(t + 32 * (96 + u / 2)));
+    const __m256i sc = u % 2 ? _mm256_srai_epi16(words, 8) : _mm256_srai_epi16(_mm256_slli_epi16(words, 8), 8);
+    ds[0] = _mm256_mul_ps(d[0], _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_unpacklo_epi16(sc, sc), 16)));
+    ds[1] = _mm256_mul_ps(d[1], _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_unpackhi_epi16(sc, sc), 16)));
+}
+
+/* MR (1 or 2: 3 spilled) activation rows x a whole tiled Q6_K group: out[i][r] for r < 16, as
+ * tiled_k_micro_kernel(MR, 2, 0, FMT_Q6_K, ...) computes them. */
+SIMD_INLINE void q6_k_pair_kernel(const int MR, const int_ctx *c, int64_t m0, const uint8_t *group,
+                                  float (*out)[TILE_ROWS]) {
+    const int bb = block_bytes(FMT_Q6_K);
+    __m256 acc[MR_MAX][2]; /* [row][lo / hi] */
+#pragma GCC unroll 2
+    for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (int64_t sb = 0; sb < c->nb / SUBS; sb++) {
+        const uint8_t *t = group + sb * TILE_ROWS * bb;
+        const uint8_t *next = t + TILE_ROWS * c->row_bytes; /* as tiled_k_micro_kernel fetches */
+        const int quarter = TILE_ROWS * bb / 4;
+        const int16_t *x[MR_MAX];
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; i++) x[i] = (const int16_t *)c->q + (m0 + i) * c->kp + sb * QK_K;
+        /* the rows' d: qwords 0, 2 (rows 0-3, 8-11) low, 1, 3 high */
+        const __m256i dwords = _mm256_permute4x64_epi64(
+            _mm256_loadu_si256((const __m256i *)(t + 32 * 104)), _MM_SHUFFLE(3, 1, 2, 0));
+        const __m256 d[2] = {_mm256_cvtph_ps(_mm256_castsi256_si128(dwords)),
+                             _mm256_cvtph_ps(_mm256_extracti128_si256(dwords, 1))};
+#pragma GCC unroll 8
+        for (int sub = 0; sub < SUBS; sub++) {
+            if (sub % 2 == 0)
+                for (int line = 0; line < quarter; line += 64) __builtin_prefetch(next + sub / 2 * quarter + line);
+            const int64_t blk = sb * SUBS + sub;
+            __m256 first[MR_MAX][2];
+#pragma GCC unroll 2
+            for (int part = 0; part < 2; part++) {
+                __m256i isum[MR_MAX][2];
+#pragma GCC unroll 2
+                for (int i = 0; i < MR; i++)
+                    isum[i][0] = isum[i][1] =
+                        _mm256_set1_epi32(-32 * c->sum16[2 * ((m0 + i) * c->nb + blk) + part]);
+#pragma GCC unroll 4
+                for (int j = 8 * part; j < 8 * part + 8; j++) {
+                    __m256i q[2];
+                    q6_k_pair_values(t, sub, j, &q[0], &q[1]);
+#pragma GCC unroll 2
+                    for (int i = 0; i < MR; i++) {
+                        const __m256i xp = pair_at(x[i] + QK * sub + 2 * j);
+                        isum[i][0] = pair_dot(isum[i][0], q[0], xp);
+                        isum[i][1] = pair_dot(isum[i][1], q[1], xp);
+                    }
+                }
+                __m256 ds[2];
+                q6_k_pair_scales(t, 2 * sub + part, d, ds);
+#pragma GCC unroll 2
+                for (int i = 0; i < MR; i++)
+                    for (int h = 0; h < 2; h++) {
+                        const __m256 prod = _mm256_mul_ps(ds[h], _mm256_cvtepi32_ps(isum[i][h]));
+                        if (part == 0) {
+                            first[i][h] = prod;
+                        } else { /* v = (da isa + db isb) dx, then acc + v */
+                            const __m256 dx = _mm256_set1_ps(c->d[(m0 + i) * c->nb + blk]);
+                            acc[i][h] = _mm256_add_ps(acc[i][h], _mm256_mul_ps(_mm256_add_ps(first[i][h], prod), dx));
+                        }
+                    }
+            }
+        }
+    }
+#pragma GCC unroll 2
+    for (int i = 0; i < MR; i++) { /* back in row order: rows 0-7, then 8-15 */
+        _mm256_storeu_ps(out[i], _mm256_permute2f128_ps(acc[i][0], acc[i][1], 0x20));
+        _mm256_storeu_ps(out[i] + 8, _mm256_permute2f128_ps(acc[i][0], acc[i][1], 0x31));
+    }
+}
+
+/* Q6_K's 1, 2 and 4 rows (2 + 2) through q6_k_pair_kernel; from 5 rows run_many_rows takes it.
+ * 2-core Zen 3, 24 widened layers, best of 11-15, ms before -> after: 1 row 16.7 -> 13.1, 2
+ * rows 22.8 -> 16.3, 4 rows 47.3-52.0 -> 44.1-46.0 (run_many_rows before); 3 rows as 2 + 1,
+ * 3 rows in one pass (spilled) and 5 as 2 + 2 + 1 ran alike or slower. */
+static void q6_k_pairs(const int_ctx *c, int64_t m0, int mr, const uint8_t *group,
+                       float (*out)[TILE_ROWS]) {
+    if (mr == 1) q6_k_pair_kernel(1, c, m0, group, out);
+    else for (int i = 0; i < mr; i += 2) q6_k_pair_kernel(2, c, m0 + i, group, out + i);
+}
+#define Q6_K_PAIRS(FMT) \
+    if (FMT == FMT_Q6_K && (mr == 1 || mr == 2 || mr == 4)) q6_k_pairs(c, m0, mr, group, out); else
+
 /* Activation rows per pass over a group's super-blocks (their fp32 sums on the stack), and per
  * chunk of a pass: 3 rows keep 6 isums, two weight vectors and the activation pairs in
  * registers; 4-6 spilled (2-core Zen 3, 24 widened layers of Q6_K at 16 rows, best of 7:
@@ -1568,7 +1681,7 @@ SIMD_INLINE void many_rows_kernel(const int MR, const int fmt, const int_ctx *c,
 /* From how many activation rows a format runs here rather than in tiled_k_micro_kernel: where
  * unpacking once beat unpacking per chunk (2-core Zen 3, 24 widened layers, best of 15; the
  * row counts below run alike). */
-static inline int many_rows_from(int fmt) { return fmt == FMT_Q6_K ? 4 : 8; }
+static inline int many_rows_from(int fmt) { return fmt == FMT_Q6_K ? 5 : 8; }
 
 #define MANY_ROWS_DISPATCH(FMT)                                                          \
     switch (mr) {                                                                        \
@@ -1659,7 +1772,11 @@ static void run_many_rows(const int_ctx *c, const void *bias, void *y, int y_bf1
     } else {                                                                            \
         TILED_K_HALVES(MR, FMT, m0, out);                                               \
     }
+#if !defined(SPECSERVE_ISA_AVX2)
+#define Q6_K_PAIRS(FMT)
+#endif
 #define TILED_K_DISPATCH_MR(FMT)                                                        \
+    Q6_K_PAIRS(FMT)                                                                     \
     switch (mr) {                                                                       \
         case 1: TILED_K(1, 2, 0, FMT, c, m0, group, out); break;                        \
         case 2:                                                                         \

@@ -213,8 +213,9 @@ def test_tiled_order_gives_the_same_bits(isa: str, fmt: str, m: int, n: int, k: 
 def test_k_quant_kernels_on_random_blocks(isa: str, fmt: str, m: int, act: str):
     """Random k-quant bytes (negative Q6_K scales, every packed 6-bit Q4_K field) in every row
     order the activation format runs: the integer kernel gives its model's bits, the fp32 one
-    the reference's sums within fp32 rounding. From 4 (Q6_K) or 8 (Q4_K) rows the tiled order
-    runs the many-rows kernel on AVX2; 70 rows take two of its batches."""
+    the reference's sums within fp32 rounding. On AVX2 the tiled order runs Q6_K's 1, 2 and 4
+    rows through its paired kernel and from 5 (Q6_K) or 8 (Q4_K) rows the many-rows kernel; 70
+    rows take two of its batches."""
     qw = _random_blocks(fmt, 48, 3 * QK_K, seed=m)
     x = _randn(m, 3 * QK_K, seed=m).to(torch.bfloat16)
     orders = (1, ROW_GROUP) if act == "fp32" else (1, ROW_GROUP, TILE_ROWS)
