@@ -1707,7 +1707,7 @@ static void run_many_rows(const int_ctx *c, const void *bias, void *y, int y_bf1
             const uint8_t *group = c->w + g * TILE_ROWS * c->row_bytes;
             for (int64_t mb0 = 0; mb0 < M; mb0 += MANY_ROWS_BATCH) {
                 const int64_t mb = M - mb0 < MANY_ROWS_BATCH ? M - mb0 : MANY_ROWS_BATCH;
-                memset(acc, 0, sizeof acc);
+                memset(acc, 0, (size_t)mb * sizeof acc[0]); /* the batch's rows only */
                 const int64_t chunks = (mb + MANY_ROWS_MR - 1) / MANY_ROWS_MR;
                 for (int64_t sb = 0; sb < sbs; sb++) {
                     const uint8_t *t = group + sb * TILE_ROWS * bb;
