@@ -11,6 +11,7 @@ from specserve.speculation.tree import (
     build_tree_buffers,
     children_lists,
     paths_to_parents,
+    tree_mask,
 )
 
 
@@ -45,6 +46,22 @@ def test_chain_buffers():
     buf = build_tree_buffers([-1, 0, 1, 2])
     assert torch.equal(buf.tree_mask, torch.ones(4, 4, dtype=torch.bool).tril())
     assert buf.retrieve_indices.tolist() == [[0, 1, 2, 3]]
+
+
+def test_a_shape_is_built_once_and_a_bad_one_is_refused_every_time():
+    """Steps repeat a few tree shapes: the buffers and masks of one are kept (by value of the
+    parents, list or tuple alike), distinct shapes get their own, and a bad list is never
+    kept."""
+    chain = build_tree_buffers([-1, 0, 1])
+    assert build_tree_buffers((-1, 0, 1)) is chain
+    fork = build_tree_buffers([-1, 0, 0])
+    assert fork is not chain and fork.tree_mask.tolist() == [[1, 0, 0], [1, 1, 0], [1, 0, 1]]
+    assert tree_mask([-1, 0, 1]) is tree_mask((-1, 0, 1))
+    assert torch.equal(tree_mask([-1, 0, 1]), chain.tree_mask)
+    assert tree_mask([-1, -1, 1]).tolist() == [[1, 0, 0], [0, 1, 0], [0, 1, 1]]
+    for _ in range(2):
+        with pytest.raises(ValueError, match="point backwards"):
+            build_tree_buffers([-1, 1, 0])
 
 
 @pytest.mark.parametrize("bad", [[[1]], [[0, 0]], [[0], [0]], [[-1]], []])
