@@ -1005,6 +1005,19 @@ SIMD_INLINE __m256 q6_k_tiled_scale(const uint8_t *t, int h, int u, __m256 d) {
     return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(sc)));
 }
 
+/* Q6_K's fp32 step after half `part` of a 32-weight block, for 8 rows' lanes: prod = d sc isum;
+ * the first half's waits in *first, the second's gives acc + (first + prod) dx (dx read then
+ * only). The reference's order, which every register-accumulator Q6_K kernel keeps. */
+SIMD_INLINE __m256 q6_k_half_step(int part, __m256 ds, __m256i isum, __m256 *first, __m256 acc,
+                                  const float *dx) {
+    const __m256 prod = _mm256_mul_ps(ds, _mm256_cvtepi32_ps(isum));
+    if (part == 0) {
+        *first = prod;
+        return acc;
+    }
+    return _mm256_add_ps(acc, _mm256_mul_ps(_mm256_add_ps(*first, prod), _mm256_set1_ps(*dx)));
+}
+
 /* Q6_K, tiled: weights 2j, 2j + 1 of 32-weight block `sub` of the 8 rows of half h, unsigned
  * (q, 0..63; the - 32 is the caller's) as int16. Block 4 hh + s takes nibble s / 2 of ql word
  * 32 hh + 16 (s % 2) + j and bits 2s of qh word 64 + 16 hh + j; the bits are picked in bytes
@@ -1134,16 +1147,9 @@ SIMD_INLINE void tiled_k_micro_kernel(const int MR, const int NG, const int h0, 
                     for (int h = 0; h < NG; h++) ds[h] = q6_k_tiled_scale(t, h0 + h, 2 * sub + part, d[h]);
 #pragma GCC unroll 8
                     for (int i = 0; i < MR; i++)
-                        for (int h = 0; h < NG; h++) {
-                            const __m256 prod = _mm256_mul_ps(ds[h], _mm256_cvtepi32_ps(isum[i][h]));
-                            if (part == 0) {
-                                first[i][h] = prod;
-                            } else { /* v = (da isa + db isb) dx, then acc + v */
-                                const __m256 dx = _mm256_set1_ps(c->d[(m0 + i) * c->nb + blk]);
-                                acc[i][h] = _mm256_add_ps(
-                                    acc[i][h], _mm256_mul_ps(_mm256_add_ps(first[i][h], prod), dx));
-                            }
-                        }
+                        for (int h = 0; h < NG; h++)
+                            acc[i][h] = q6_k_half_step(part, ds[h], isum[i][h], &first[i][h],
+                                                       acc[i][h], &c->d[(m0 + i) * c->nb + blk]);
                 }
             }
         }
@@ -1640,15 +1646,9 @@ SIMD_INLINE void q6_k_pair_kernel(const int MR, const int_ctx *c, int64_t m0, co
                 q6_k_pair_scales(t, 2 * sub + part, d, ds);
 #pragma GCC unroll 2
                 for (int i = 0; i < MR; i++)
-                    for (int h = 0; h < 2; h++) {
-                        const __m256 prod = _mm256_mul_ps(ds[h], _mm256_cvtepi32_ps(isum[i][h]));
-                        if (part == 0) {
-                            first[i][h] = prod;
-                        } else { /* v = (da isa + db isb) dx, then acc + v */
-                            const __m256 dx = _mm256_set1_ps(c->d[(m0 + i) * c->nb + blk]);
-                            acc[i][h] = _mm256_add_ps(acc[i][h], _mm256_mul_ps(_mm256_add_ps(first[i][h], prod), dx));
-                        }
-                    }
+                    for (int h = 0; h < 2; h++)
+                        acc[i][h] = q6_k_half_step(part, ds[h], isum[i][h], &first[i][h],
+                                                   acc[i][h], &c->d[(m0 + i) * c->nb + blk]);
             }
         }
     }
