@@ -52,8 +52,9 @@
  *   isa, isb = sum xq * (q - 32) over weights 0..15, 16..31   each exact in fp32 (< 2^24)
  *   v    = (da * isa + db * isb) * dx                         da, db = d sc of each half
  *   acc  = acc + v
- * The k-quants always take the activations as int16 (Q8 values too: their blocks are widened
- * to int16 in every row order), so Q8 changes only the activations' rounding for them.
+ * The k-quants take the activations as int16 (Q8 values too: their blocks are widened to
+ * int16), so Q8 changes only the activations' rounding for them, except Q4_K in the tiled order
+ * on AVX2, which multiplies Q8 bytes from 2 rows (q4_k_byte_kernel).
  * The integers are exact and the fp32 operations are the same, in the same order, on every
  * path, so every path computes the same bits, and so does the PyTorch model of these numerics
  * (quant_reference.quant_linear_int_reference); only the quantized activations differ from the
@@ -485,7 +486,7 @@ static inline float block_update(int fmt, float acc, int32_t isa, int32_t isb, c
 /* One activation row (kp fp32 values, whole blocks) to integer blocks, as the header defines:
  * levels L = 127 (act ACT_Q8) or 32767 (ACT_Q16), stored as int16 when `wide` (always for
  * ACT_Q16; the tiled order's kernels multiply int16 pairs, so they take Q8 values as int16
- * too, except AVX-512's for Q4_0 / Q4_1, which multiplies bytes), else int8.
+ * too, except the byte kernels for Q4_0 / Q4_1 (AVX-512, AVX2) and Q4_K (AVX2)), else int8.
  * |x * id| <= L (1 + 2^-23)^2, so every value rounds into [-L, L]; rounding is the default
  * mode's, half to even (lrintf, or cvtps2dq under the default MXCSR). */
 static void quantize_row(const float *x, int64_t nb, const int act, const int wide, void *q,
@@ -1574,6 +1575,21 @@ SIMD_INLINE void many_rows_kernel(const int MR, const int fmt, const int_ctx *c,
  * sums back in row order at the end. Each lane's integers and fp32 operations are
  * tiled_k_micro_kernel's, so the bits are too. */
 
+/* The 16 rows' fp16 field at word w of a tiled block t as fp32, in lo / hi lane order. */
+SIMD_INLINE void lo_hi_f16(const uint8_t *t, int w, __m256 f[2]) {
+    /* qwords 0, 2 (rows 0-3, 8-11) low, 1, 3 (rows 4-7, 12-15) high */
+    const __m256i words = _mm256_permute4x64_epi64(
+        _mm256_loadu_si256((const __m256i *)(t + 32 * w)), _MM_SHUFFLE(3, 1, 2, 0));
+    f[0] = _mm256_cvtph_ps(_mm256_castsi256_si128(words));
+    f[1] = _mm256_cvtph_ps(_mm256_extracti128_si256(words, 1));
+}
+
+/* A row's 16 sums from lo / hi lane order back to row order: rows 0-7, then 8-15. */
+SIMD_INLINE void store_lo_hi(float *out, const __m256 acc[2]) {
+    _mm256_storeu_ps(out, _mm256_permute2f128_ps(acc[0], acc[1], 0x20));
+    _mm256_storeu_ps(out + 8, _mm256_permute2f128_ps(acc[0], acc[1], 0x31));
+}
+
 /* Weights 2j, 2j + 1 of block `sub` of a tiled Q6_K super-block t, unsigned (0..63), all 16
  * rows: as q6_k_tiled_values picks them, in lo / hi lane order. */
 SIMD_INLINE void q6_k_pair_values(const uint8_t *t, int sub, int j, __m256i *lo, __m256i *hi) {
@@ -1613,11 +1629,8 @@ SIMD_INLINE void q6_k_pair_kernel(const int MR, const int_ctx *c, int64_t m0, co
         const int16_t *x[MR_MAX];
 #pragma GCC unroll 8
         for (int i = 0; i < MR; i++) x[i] = (const int16_t *)c->q + (m0 + i) * c->kp + sb * QK_K;
-        /* the rows' d: qwords 0, 2 (rows 0-3, 8-11) low, 1, 3 high */
-        const __m256i dwords = _mm256_permute4x64_epi64(
-            _mm256_loadu_si256((const __m256i *)(t + 32 * 104)), _MM_SHUFFLE(3, 1, 2, 0));
-        const __m256 d[2] = {_mm256_cvtph_ps(_mm256_castsi256_si128(dwords)),
-                             _mm256_cvtph_ps(_mm256_extracti128_si256(dwords, 1))};
+        __m256 d[2]; /* the rows' d */
+        lo_hi_f16(t, 104, d);
 #pragma GCC unroll 8
         for (int sub = 0; sub < SUBS; sub++) {
             if (sub % 2 == 0)
@@ -1653,10 +1666,7 @@ SIMD_INLINE void q6_k_pair_kernel(const int MR, const int_ctx *c, int64_t m0, co
         }
     }
 #pragma GCC unroll 2
-    for (int i = 0; i < MR; i++) { /* back in row order: rows 0-7, then 8-15 */
-        _mm256_storeu_ps(out[i], _mm256_permute2f128_ps(acc[i][0], acc[i][1], 0x20));
-        _mm256_storeu_ps(out[i] + 8, _mm256_permute2f128_ps(acc[i][0], acc[i][1], 0x31));
-    }
+    for (int i = 0; i < MR; i++) store_lo_hi(out[i], acc[i]);
 }
 
 /* Q6_K's 1, 2 and 4 rows (2 + 2) through q6_k_pair_kernel; from 5 rows run_many_rows takes it.
@@ -1670,6 +1680,232 @@ static void q6_k_pairs(const int_ctx *c, int64_t m0, int mr, const uint8_t *grou
 }
 #define Q6_K_PAIRS(FMT) \
     if (FMT == FMT_Q6_K && (mr == 1 || mr == 2 || mr == 4)) q6_k_pairs(c, m0, mr, group, out); else
+
+/* ---- Q4_0 / Q4_1 against Q8 activation bytes, tiled (AVX2) ----------------------------------
+ *
+ * Against int16 activations a 4-bit product costs one VPMADDWD per two weights of a row
+ * (tiled_micro_kernel), so from a few activation rows an AVX2 core is bound by its integer
+ * multiplier. Against Q8 activations (bytes) VPMADDUBSW multiplies four weights of a row per
+ * pair of int16 lanes: a tiled word j of all 16 rows (32 bytes) splits into its low nibbles
+ * (weights 2j, 2j + 1) and high ones (2j + 16, 2j + 17), interleaved by 16-bit words so that
+ * each row's four weights sit side by side, in lo / hi lane order (as q6_k_pair_values), and
+ * meet the activations stored in that order (nibble_order, as AVX-512's group_byte_kernel).
+ * A lane's int16 sums over the block's eight words stay below 2^15 (8 x 2 x 15 x 127 =
+ * 30,480; the activations are in [-127, 127]), so they add in int16 and one VPMADDWD by ones
+ * per block turns each row's two lanes into its int32 isum: 9 multiplies per row, block and
+ * 8 weight rows against 16. The isums are exact and the fp32 operations tiled_micro_kernel's,
+ * so the bits are those of every path with Q8 activations. 2-core Zen 3, 24 widened layers
+ * from memory, best of 7, Q8 activations as int16 -> as bytes: Q4_1 2 / 3 / 5 / 8 / 16 / 32
+ * rows 0.88 / 0.75 / 0.74 / 0.82 / 0.84 / 0.83x the time, Q4_0 0.74-0.84x (1 row 0.91x),
+ * Q4_K (with the many-rows kernel's byte form from 8 rows) 0.84 / 0.88 / 0.92 / 0.96 / 0.79 /
+ * 0.70x; Q4_K's one row stays int16 (q4_k_byte_kernel reads each word twice: 1.01-1.05x). */
+SIMD_INLINE void tiled_byte_kernel(const int MR, const int fmt, const int_ctx *c, int64_t m0,
+                                   const uint8_t *group, float (*out)[TILE_ROWS]) {
+    const int bb = block_bytes(fmt), header = fmt == FMT_Q4_1 ? 2 : 1; /* words */
+    const __m256i nibble = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    __m256 acc[MR_MAX][2]; /* [row][lo / hi] */
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (int64_t blk = 0; blk < c->nb; blk++) {
+        const uint8_t *t = group + blk * TILE_ROWS * bb;
+        for (int line = 0; line < TILE_ROWS * bb; line += 64)
+            __builtin_prefetch(t + TILE_ROWS * c->row_bytes + line);
+        __m256 dw[2], mw[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+        lo_hi_f16(t, 0, dw);
+        if (fmt == FMT_Q4_1) lo_hi_f16(t, 1, mw);
+        const uint8_t *values = t + 32 * header;
+        const int8_t *xb[MR_MAX];
+        __m256i s16[MR_MAX][2]; /* [row][lo / hi]: int16 pair sums */
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; i++) {
+            xb[i] = (const int8_t *)c->q + (m0 + i) * c->kp + blk * QK;
+            s16[i][0] = s16[i][1] = _mm256_setzero_si256();
+        }
+#pragma GCC unroll 4 /* 8 spilled the sums */
+        for (int j = 0; j < 8; j++) {
+            const __m256i words = _mm256_loadu_si256((const __m256i *)(values + 32 * j));
+            const __m256i low = _mm256_and_si256(words, nibble);
+            const __m256i high = _mm256_and_si256(_mm256_srli_epi16(words, 4), nibble);
+            const __m256i w[2] = {_mm256_unpacklo_epi16(low, high), _mm256_unpackhi_epi16(low, high)};
+#pragma GCC unroll 8
+            for (int i = 0; i < MR; i++) {
+                int32_t quad;
+                memcpy(&quad, xb[i] + 4 * j, sizeof quad);
+                const __m256i xq = _mm256_set1_epi32(quad);
+                for (int h = 0; h < 2; h++)
+                    s16[i][h] = _mm256_add_epi16(s16[i][h], _mm256_maddubs_epi16(w[h], xq));
+            }
+        }
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; i++) {
+            const int64_t at = (m0 + i) * c->nb + blk;
+            const __m256 dx = _mm256_set1_ps(c->d[at]);
+            for (int h = 0; h < 2; h++) {
+                __m256i is = _mm256_madd_epi16(s16[i][h], ones);
+                if (fmt == FMT_Q4_0) is = _mm256_sub_epi32(is, _mm256_set1_epi32(8 * c->sum[at]));
+                __m256 v = _mm256_mul_ps(_mm256_mul_ps(dw[h], dx), _mm256_cvtepi32_ps(is));
+                if (fmt == FMT_Q4_1) v = _mm256_add_ps(v, _mm256_mul_ps(mw[h], _mm256_set1_ps(c->s[at])));
+                acc[i][h] = _mm256_add_ps(acc[i][h], v);
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; i++) store_lo_hi(out[i], acc[i]);
+}
+
+/* Q4_K, tiled, against Q8 bytes: the scales of all 16 rows in lo / hi lane order, scale[h][sub]
+ * d sc and scale[h][SUBS + sub] -(dmin m) of sub-block sub (q4_k_tiled_scales' values). */
+SIMD_INLINE void q4_k_lo_hi_scales(const uint8_t *t, __m256 scale[2][2 * SUBS]) {
+    __m256 rows[2][2 * SUBS]; /* [half][...], row order */
+    for (int h = 0; h < 2; h++)
+        q4_k_tiled_scales(t, h, _mm256_cvtph_ps(tiled_words(t, 0, h)),
+                          _mm256_cvtph_ps(tiled_words(t, 1, h)), rows[h], rows[h] + SUBS);
+    for (int v = 0; v < 2 * SUBS; v++) {
+        scale[0][v] = _mm256_permute2f128_ps(rows[0][v], rows[1][v], 0x20);
+        scale[1][v] = _mm256_permute2f128_ps(rows[0][v], rows[1][v], 0x31);
+    }
+}
+
+/* Q4_K, tiled: each row's weights 2j, 2j + 1, 2j + 16, 2j + 17 of sub-block `sub` (j < 8) as
+ * bytes, in lo / hi lane order. Word 8 + 16 c + j of a super-block holds weights 2j, 2j + 1 of
+ * sub-block 2c in its low nibbles and of 2c + 1 in its high ones (see tiled_k_micro_kernel), so
+ * words j and j + 8 of the sub-block's chunk hold the four. */
+SIMD_INLINE void q4_k_byte_words(const uint8_t *t, int sub, int j, __m256i w[2]) {
+    const uint8_t *chunk = t + 32 * (8 + 16 * (sub / 2));
+    const int shift = 4 * (sub % 2);
+    const __m256i nibble = _mm256_set1_epi8(0x0f);
+    const __m256i a = _mm256_and_si256(
+        _mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(chunk + 32 * j)), shift), nibble);
+    const __m256i b = _mm256_and_si256(
+        _mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(chunk + 32 * (j + 8))), shift), nibble);
+    w[0] = _mm256_unpacklo_epi16(a, b);
+    w[1] = _mm256_unpackhi_epi16(a, b);
+}
+
+/* Q4_K against Q8 bytes, tiled: tiled_byte_kernel's products (q4_k_byte_words), one 32-weight
+ * sub-block at a time in k order. The int16 bound is Q4_1's (nibbles 0..15); the fp32 steps are
+ * tiled_k_micro_kernel's, with the scales in lo / hi lane order. */
+SIMD_INLINE void q4_k_byte_kernel(const int MR, const int_ctx *c, int64_t m0, const uint8_t *group,
+                                  float (*out)[TILE_ROWS]) {
+    const int bb = block_bytes(FMT_Q4_K), quarter = TILE_ROWS * bb / 4;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[MR_MAX][2]; /* [row][lo / hi] */
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (int64_t sb = 0; sb < c->nb / SUBS; sb++) {
+        const uint8_t *t = group + sb * TILE_ROWS * bb;
+        const uint8_t *next = t + TILE_ROWS * c->row_bytes; /* as tiled_k_micro_kernel fetches */
+        __m256 scale[2][2 * SUBS]; /* [lo / hi]: d sc of each sub-block, then -(dmin m) */
+        q4_k_lo_hi_scales(t, scale);
+        const int8_t *xb[MR_MAX];
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; i++) xb[i] = (const int8_t *)c->q + (m0 + i) * c->kp + sb * QK_K;
+#pragma GCC unroll 1
+        for (int sub = 0; sub < SUBS; sub++) {
+            if (sub % 2 == 0)
+                for (int line = 0; line < quarter; line += 64) __builtin_prefetch(next + sub / 2 * quarter + line);
+            __m256i s16[MR_MAX][2];
+#pragma GCC unroll 8
+            for (int i = 0; i < MR; i++) s16[i][0] = s16[i][1] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+            for (int j = 0; j < 8; j++) {
+                __m256i w[2];
+                q4_k_byte_words(t, sub, j, w);
+#pragma GCC unroll 8
+                for (int i = 0; i < MR; i++) {
+                    int32_t quad;
+                    memcpy(&quad, xb[i] + QK * sub + 4 * j, sizeof quad);
+                    const __m256i xq = _mm256_set1_epi32(quad);
+                    for (int h = 0; h < 2; h++)
+                        s16[i][h] = _mm256_add_epi16(s16[i][h], _mm256_maddubs_epi16(w[h], xq));
+                }
+            }
+#pragma GCC unroll 8
+            for (int i = 0; i < MR; i++) {
+                const int64_t at = (m0 + i) * c->nb + sb * SUBS + sub;
+                const __m256 dx = _mm256_set1_ps(c->d[at]), sx = _mm256_set1_ps(c->s[at]);
+                for (int h = 0; h < 2; h++) {
+                    const __m256 is = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[i][h], ones));
+                    __m256 v = _mm256_mul_ps(_mm256_mul_ps(scale[h][sub], dx), is);
+                    v = _mm256_add_ps(v, _mm256_mul_ps(scale[h][SUBS + sub], sx));
+                    acc[i][h] = _mm256_add_ps(acc[i][h], v);
+                }
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; i++) store_lo_hi(out[i], acc[i]);
+}
+
+/* Rows per pass: up to 3 (the same register budget as tiled_micro_kernel's passes). */
+#define TILED_BYTE_PASS(MR, FMT, M0, OUT) tiled_byte_kernel(MR, FMT, c, M0, group, OUT)
+#define TILED_BYTE_DISPATCH_MR(FMT)                                                               \
+    switch (mr) {                                                                                 \
+        case 1: TILED_BYTE_PASS(1, FMT, m0, out); break;                                          \
+        case 2: TILED_BYTE_PASS(2, FMT, m0, out); break;                                          \
+        case 3: TILED_BYTE_PASS(3, FMT, m0, out); break;                                          \
+        case 4: TILED_BYTE_PASS(2, FMT, m0, out); TILED_BYTE_PASS(2, FMT, m0 + 2, out + 2); break; \
+        case 5: TILED_BYTE_PASS(3, FMT, m0, out); TILED_BYTE_PASS(2, FMT, m0 + 3, out + 3); break; \
+        default: TILED_BYTE_PASS(3, FMT, m0, out); TILED_BYTE_PASS(3, FMT, m0 + 3, out + 3); break; \
+    }
+#define Q4_K_BYTE_PASS(MR, M0, OUT) q4_k_byte_kernel(MR, c, M0, group, OUT)
+#define Q4_K_BYTE_DISPATCH_MR                                                                      \
+    switch (mr) {                                                                                  \
+        case 1: Q4_K_BYTE_PASS(1, m0, out); break;                                                 \
+        case 2: Q4_K_BYTE_PASS(2, m0, out); break;                                                 \
+        case 3: Q4_K_BYTE_PASS(3, m0, out); break;                                                 \
+        case 4: Q4_K_BYTE_PASS(2, m0, out); Q4_K_BYTE_PASS(2, m0 + 2, out + 2); break;             \
+        case 5: Q4_K_BYTE_PASS(3, m0, out); Q4_K_BYTE_PASS(2, m0 + 3, out + 3); break;             \
+        default: Q4_K_BYTE_PASS(3, m0, out); Q4_K_BYTE_PASS(3, m0 + 3, out + 3); break;            \
+    }
+
+/* Q4_K's super-block for the many-rows kernel against Q8 bytes: u->q[sub][j] (j < 8) as
+ * q4_k_byte_words gives it, u->scale as q4_k_lo_hi_scales (both in lo / hi lane order). */
+static void unpack_q4_k_bytes(const uint8_t *t, unpacked_super_block *u) {
+    q4_k_lo_hi_scales(t, u->scale);
+    for (int sub = 0; sub < SUBS; sub++)
+        for (int j = 0; j < 8; j++) q4_k_byte_words(t, sub, j, u->q[sub][j]);
+}
+
+/* many_rows_kernel's Q4_K against Q8 bytes (unpack_q4_k_bytes): q4_k_byte_kernel's products and
+ * fp32 steps, the sums acc in lo / hi lane order. */
+SIMD_INLINE void many_rows_byte_kernel(const int MR, const int_ctx *c, int64_t m0, int64_t sb,
+                                       const unpacked_super_block *u, float (*acc)[TILE_ROWS]) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    const int8_t *xb[MR_MAX];
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; i++) xb[i] = (const int8_t *)c->q + (m0 + i) * c->kp + sb * QK_K;
+#pragma GCC unroll 1
+    for (int sub = 0; sub < SUBS; sub++) {
+        __m256i s16[MR_MAX][2];
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; i++) s16[i][0] = s16[i][1] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j++) {
+            const __m256i w0 = u->q[sub][j][0], w1 = u->q[sub][j][1];
+#pragma GCC unroll 8
+            for (int i = 0; i < MR; i++) {
+                int32_t quad;
+                memcpy(&quad, xb[i] + QK * sub + 4 * j, sizeof quad);
+                const __m256i xq = _mm256_set1_epi32(quad);
+                s16[i][0] = _mm256_add_epi16(s16[i][0], _mm256_maddubs_epi16(w0, xq));
+                s16[i][1] = _mm256_add_epi16(s16[i][1], _mm256_maddubs_epi16(w1, xq));
+            }
+        }
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; i++) {
+            const int64_t at = (m0 + i) * c->nb + sb * SUBS + sub;
+            const __m256 dx = _mm256_set1_ps(c->d[at]), sx = _mm256_set1_ps(c->s[at]);
+            for (int h = 0; h < 2; h++) {
+                float *sums = acc[i] + 8 * h;
+                const __m256 is = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[i][h], ones));
+                const __m256 v = _mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(u->scale[h][sub], dx), is),
+                                               _mm256_mul_ps(u->scale[h][SUBS + sub], sx));
+                _mm256_storeu_ps(sums, _mm256_add_ps(_mm256_loadu_ps(sums), v));
+            }
+        }
+    }
+}
 
 /* Activation rows per pass over a group's super-blocks (their fp32 sums on the stack), and per
  * chunk of a pass: 3 rows keep 6 isums, two weight vectors and the activation pairs in
@@ -1688,6 +1924,12 @@ static inline int many_rows_from(int fmt) { return fmt == FMT_Q6_K ? 5 : 8; }
         case 1: many_rows_kernel(1, FMT, c, m0, sb, u, acc + (m0 - mb0)); break;         \
         case 2: many_rows_kernel(2, FMT, c, m0, sb, u, acc + (m0 - mb0)); break;         \
         default: many_rows_kernel(MANY_ROWS_MR, FMT, c, m0, sb, u, acc + (m0 - mb0)); break; \
+    }
+#define MANY_ROWS_BYTE_DISPATCH                                                          \
+    switch (mr) {                                                                        \
+        case 1: many_rows_byte_kernel(1, c, m0, sb, u, acc + (m0 - mb0)); break;         \
+        case 2: many_rows_byte_kernel(2, c, m0, sb, u, acc + (m0 - mb0)); break;         \
+        default: many_rows_byte_kernel(MANY_ROWS_MR, c, m0, sb, u, acc + (m0 - mb0)); break; \
     }
 
 /* As run_tiles with tiled_tile, for the k-quants in the tiled order: per group and batch of
@@ -1711,7 +1953,8 @@ static void run_many_rows(const int_ctx *c, const void *bias, void *y, int y_bf1
                 const int64_t chunks = (mb + MANY_ROWS_MR - 1) / MANY_ROWS_MR;
                 for (int64_t sb = 0; sb < sbs; sb++) {
                     const uint8_t *t = group + sb * TILE_ROWS * bb;
-                    unpack_super_block(t, c->fmt, u);
+                    if (c->wide) unpack_super_block(t, c->fmt, u);
+                    else unpack_q4_k_bytes(t, u);
                     /* the next super-block (the next group's first, after the last) */
                     for (int line = 0; line < TILE_ROWS * bb; line += 64)
                         __builtin_prefetch(t + TILE_ROWS * bb + line);
@@ -1719,11 +1962,17 @@ static void run_many_rows(const int_ctx *c, const void *bias, void *y, int y_bf1
                     for (int64_t k = 0; k < chunks; k++) {
                         const int64_t left = mb0 + mb - m0, parts = chunks - k;
                         const int mr = (int)((left + parts - 1) / parts);
-                        if (c->fmt == FMT_Q4_K) MANY_ROWS_DISPATCH(FMT_Q4_K)
+                        if (!c->wide) MANY_ROWS_BYTE_DISPATCH
+                        else if (c->fmt == FMT_Q4_K) MANY_ROWS_DISPATCH(FMT_Q4_K)
                         else MANY_ROWS_DISPATCH(FMT_Q6_K)
                         m0 += mr;
                     }
                 }
+                if (!c->wide) /* back in row order */
+                    for (int64_t r = 0; r < mb; r++) {
+                        const __m256 lo_hi[2] = {_mm256_loadu_ps(acc[r]), _mm256_loadu_ps(acc[r] + 8)};
+                        store_lo_hi(acc[r], lo_hi);
+                    }
                 store_rows((const float(*)[TILE_ROWS])acc, mb0, (int)mb, g * TILE_ROWS, TILE_ROWS,
                            bias, y, y_bf16, c->N);
             }
@@ -1811,9 +2060,24 @@ static void tiled_tile(const void *ctx, int64_t m0, int mr, int64_t n0, int nr,
 #else
     switch (c->fmt) {
         case FMT_Q8_0: TILED_DISPATCH_MR(FMT_Q8_0) break;
+#if defined(SPECSERVE_ISA_AVX2)
+        case FMT_Q4_0:
+            if (c->wide) TILED_DISPATCH_MR(FMT_Q4_0)
+            else TILED_BYTE_DISPATCH_MR(FMT_Q4_0)
+            break;
+        case FMT_Q4_1:
+            if (c->wide) TILED_DISPATCH_MR(FMT_Q4_1)
+            else TILED_BYTE_DISPATCH_MR(FMT_Q4_1)
+            break;
+        case FMT_Q4_K:
+            if (c->wide) TILED_K_DISPATCH_MR(FMT_Q4_K)
+            else Q4_K_BYTE_DISPATCH_MR
+            break;
+#else
         case FMT_Q4_0: TILED_DISPATCH_MR(FMT_Q4_0) break;
         case FMT_Q4_1: TILED_DISPATCH_MR(FMT_Q4_1) break;
         case FMT_Q4_K: TILED_K_DISPATCH_MR(FMT_Q4_K) break;
+#endif
         default: TILED_K_DISPATCH_MR(FMT_Q6_K) break;
     }
 #endif
@@ -1845,12 +2109,18 @@ int quant_matmul_int(const void *x, int x_bf16, const uint8_t *w, int fmt, int g
     /* int16 activations for Q16, and for Q8 where the kernel multiplies int16 pairs: the tiled
      * order and the k-quants (whose blocks are widened to int16 in every order) */
 #if defined(SPECSERVE_ISA_AVX512)
-    /* except Q4_0 / Q4_1 in the tiled order on AVX-512: bytes, for group_byte_kernel */
+    /* except Q4_0 / Q4_1 in the tiled order: bytes, for group_byte_kernel */
     const int byte_quads = act == ACT_Q8 && group == TILE_ROWS && (fmt == FMT_Q4_0 || fmt == FMT_Q4_1);
+#elif defined(SPECSERVE_ISA_AVX2)
+    /* except Q4_0 / Q4_1 / Q4_K in the tiled order: bytes, for tiled_byte_kernel,
+     * q4_k_byte_kernel and many_rows_byte_kernel; Q4_K's one row runs faster as int16 (the
+     * same integers either way) */
+    const int byte_quads = act == ACT_Q8 && group == TILE_ROWS &&
+                           (fmt == FMT_Q4_0 || fmt == FMT_Q4_1 || (fmt == FMT_Q4_K && M > 1));
 #else
     const int byte_quads = 0;
 #endif
-    const int wide = act == ACT_Q16 || (group == TILE_ROWS && !byte_quads) || is_k_quant(fmt);
+    const int wide = act == ACT_Q16 || ((group == TILE_ROWS || is_k_quant(fmt)) && !byte_quads);
     const int q_width = wide ? 2 : 1;
     const int64_t nb = (K + QK - 1) / QK, kp = nb * QK, row_bytes = row_bytes_of(fmt, nb);
     /* One allocation: q [M, kp] int8 or int16, then d, s [M, nb] fp32, sum [M, nb] and

@@ -231,6 +231,28 @@ def test_k_quant_kernels_on_random_blocks(isa: str, fmt: str, m: int, act: str):
 
 
 @pytest.mark.parametrize("act", INT_ACTS)
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q4_K"])
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_int_kernels_hold_the_largest_sums(isa: str, fmt: str, m: int, act: str):
+    """Every nibble 15 against activations at their largest level (a block's values all alike,
+    so every one rounds to +-L; rows of either sign): the largest integer sums a 4-bit block
+    gives. The AVX2 kernels against Q8 bytes add a block's VPMADDUBSW pairs in int16 lanes, whose
+    bound (8 words x 2 x 15 x 127 = 30,480) this reaches; the model's bits in every row order,
+    the tiled order's few-row and (Q4_K, 8 rows) many-row kernels."""
+    n, k = 32, 2 * QK_K
+    qw = _random_blocks(fmt, n, k, seed=m)
+    values_from = {"Q4_0": 2, "Q4_1": 4, "Q4_K": 16}[fmt]  # the bytes after the scale fields
+    qw.blocks.view(n, -1, qw.fmt.block_bytes)[..., values_from:] = 0xFF
+    x = torch.ones(m, k)
+    x[1::2] = -1.0
+    want = quant_linear_int_reference(x, qw, act=act)
+    for row_group in (1, ROW_GROUP, TILE_ROWS):
+        got = quant_cpu.quant_matmul(x, qw.with_row_group(row_group), isa=isa,
+                                     out_dtype=torch.float32, act=act)
+        assert torch.equal(got, want), row_group
+
+
+@pytest.mark.parametrize("act", INT_ACTS)
 @pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("n,k", [(33, 1000), (130, 4096)])
 def test_int_kernel_within_the_activation_rounding_of_the_reference(isa: str, fmt: str, n: int,
