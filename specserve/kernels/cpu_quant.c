@@ -53,8 +53,9 @@
  *   v    = (da * isa + db * isb) * dx                         da, db = d sc of each half
  *   acc  = acc + v
  * The k-quants take the activations as int16 (Q8 values too: their blocks are widened to
- * int16), so Q8 changes only the activations' rounding for them, except Q4_K in the tiled order
- * on AVX2, which multiplies Q8 bytes from 2 rows (q4_k_byte_kernel).
+ * int16), so Q8 changes only the activations' rounding for them, except in the tiled order on
+ * AVX2, which multiplies Q8 bytes (Q4_K from 2 rows, Q6_K from 5: q4_k_byte_kernel,
+ * many_rows_byte_kernel).
  * The integers are exact and the fp32 operations are the same, in the same order, on every
  * path, so every path computes the same bits, and so does the PyTorch model of these numerics
  * (quant_reference.quant_linear_int_reference); only the quantized activations differ from the
@@ -486,7 +487,8 @@ static inline float block_update(int fmt, float acc, int32_t isa, int32_t isb, c
 /* One activation row (kp fp32 values, whole blocks) to integer blocks, as the header defines:
  * levels L = 127 (act ACT_Q8) or 32767 (ACT_Q16), stored as int16 when `wide` (always for
  * ACT_Q16; the tiled order's kernels multiply int16 pairs, so they take Q8 values as int16
- * too, except the byte kernels for Q4_0 / Q4_1 (AVX-512, AVX2) and Q4_K (AVX2)), else int8.
+ * too, except the byte kernels for Q4_0 / Q4_1 (AVX-512, AVX2) and the k-quants (AVX2)), else
+ * int8.
  * |x * id| <= L (1 + 2^-23)^2, so every value rounds into [-L, L]; rounding is the default
  * mode's, half to even (lrintf, or cvtps2dq under the default MXCSR). */
 static void quantize_row(const float *x, int64_t nb, const int act, const int wide, void *q,
@@ -1591,8 +1593,8 @@ SIMD_INLINE void store_lo_hi(float *out, const __m256 acc[2]) {
 }
 
 /* Weights 2j, 2j + 1 of block `sub` of a tiled Q6_K super-block t, unsigned (0..63), all 16
- * rows: as q6_k_tiled_values picks them, in lo / hi lane order. */
-SIMD_INLINE void q6_k_pair_values(const uint8_t *t, int sub, int j, __m256i *lo, __m256i *hi) {
+ * rows (a byte each, row r's at bytes 2r, 2r + 1), as q6_k_tiled_values picks them. */
+SIMD_INLINE __m256i q6_k_pair_bytes(const uint8_t *t, int sub, int j) {
     const int hh = sub / 4, s = sub % 4;
     const __m256i ql = _mm256_loadu_si256((const __m256i *)(t + 32 * (32 * hh + 16 * (s % 2) + j)));
     const __m256i qh = _mm256_loadu_si256((const __m256i *)(t + 32 * (64 + 16 * hh + j)));
@@ -1600,7 +1602,12 @@ SIMD_INLINE void q6_k_pair_values(const uint8_t *t, int sub, int j, __m256i *lo,
     const __m256i high = s == 0 ? _mm256_slli_epi16(qh, 4)
                          : s == 1 ? _mm256_slli_epi16(qh, 2)
                          : s == 2 ? qh : _mm256_srli_epi16(qh, 2);
-    const __m256i q = _mm256_or_si256(low, _mm256_and_si256(high, _mm256_set1_epi8(0x30)));
+    return _mm256_or_si256(low, _mm256_and_si256(high, _mm256_set1_epi8(0x30)));
+}
+
+/* The same weights as int16, in lo / hi lane order. */
+SIMD_INLINE void q6_k_pair_values(const uint8_t *t, int sub, int j, __m256i *lo, __m256i *hi) {
+    const __m256i q = q6_k_pair_bytes(t, sub, j);
     *lo = _mm256_unpacklo_epi8(q, _mm256_setzero_si256());
     *hi = _mm256_unpackhi_epi8(q, _mm256_setzero_si256());
 }
@@ -1837,6 +1844,17 @@ SIMD_INLINE void q4_k_byte_kernel(const int MR, const int_ctx *c, int64_t m0, co
     for (int i = 0; i < MR; i++) store_lo_hi(out[i], acc[i]);
 }
 
+/* Q6_K, tiled, against Q8 bytes (the many-rows kernel's): words j and j + 1 of a 16-weight
+ * half (j even) put each row's weights 2j .. 2j + 3 side by side, in lo / hi lane order,
+ * against the activations in their own k order. A VPMADDUBSW lane is at most 2 x 63 x 127 =
+ * 16,002, so two quads add in int16 before VPMADDWD by ones widens them: a half's 16 weights
+ * cost 4 VPMADDUBSW and 2 VPMADDWD per lo / hi vector against 8 VPMADDWD. */
+SIMD_INLINE void q6_k_byte_quads(const uint8_t *t, int sub, int j, __m256i w[2]) {
+    const __m256i a = q6_k_pair_bytes(t, sub, j), b = q6_k_pair_bytes(t, sub, j + 1);
+    w[0] = _mm256_unpacklo_epi16(a, b);
+    w[1] = _mm256_unpackhi_epi16(a, b);
+}
+
 /* Rows per pass: up to 3 (the same register budget as tiled_micro_kernel's passes). */
 #define TILED_BYTE_PASS(MR, FMT, M0, OUT) tiled_byte_kernel(MR, FMT, c, M0, group, OUT)
 #define TILED_BYTE_DISPATCH_MR(FMT)                                                               \
@@ -1867,41 +1885,112 @@ static void unpack_q4_k_bytes(const uint8_t *t, unpacked_super_block *u) {
         for (int j = 0; j < 8; j++) q4_k_byte_words(t, sub, j, u->q[sub][j]);
 }
 
-/* many_rows_kernel's Q4_K against Q8 bytes (unpack_q4_k_bytes): q4_k_byte_kernel's products and
- * fp32 steps, the sums acc in lo / hi lane order. */
-SIMD_INLINE void many_rows_byte_kernel(const int MR, const int_ctx *c, int64_t m0, int64_t sb,
-                                       const unpacked_super_block *u, float (*acc)[TILE_ROWS]) {
+/* Q6_K's super-block for the many-rows kernel against Q8 bytes: u->q[sub][qd] (qd < 8) as
+ * q6_k_byte_quads gives quad qd (weights 4 qd .. 4 qd + 3), u->scale[h][v] d sc of 16-weight
+ * sub-block v (q6_k_pair_scales), in lo / hi lane order. */
+static void unpack_q6_k_bytes(const uint8_t *t, unpacked_super_block *u) {
+    __m256 d[2];
+    lo_hi_f16(t, 104, d);
+    for (int v = 0; v < 2 * SUBS; v++) {
+        __m256 ds[2];
+        q6_k_pair_scales(t, v, d, ds);
+        u->scale[0][v] = ds[0];
+        u->scale[1][v] = ds[1];
+    }
+    for (int sub = 0; sub < SUBS; sub++)
+        for (int qd = 0; qd < 8; qd++) q6_k_byte_quads(t, sub, 2 * qd, u->q[sub][qd]);
+}
+
+/* many_rows_kernel against Q8 bytes (unpack_q4_k_bytes, unpack_q6_k_bytes): the integers of
+ * q4_k_byte_kernel and of q6_k_byte_quads' products, and many_rows_kernel's fp32 steps, the sums
+ * acc in lo / hi lane order. 2-core Zen 3, 24 widened layers from memory, best of 7, Q8 taken
+ * as int16 -> as bytes: Q6_K 5 / 8 / 16 / 32 rows 0.82 / 0.81 / 0.78 / 0.78x the time (its
+ * 2-4 rows as bytes, here or in a few-row kernel, ran 0.93-1.34x: not taken). */
+SIMD_INLINE void many_rows_byte_kernel(const int MR, const int fmt, const int_ctx *c, int64_t m0,
+                                       int64_t sb, const unpacked_super_block *u,
+                                       float (*acc)[TILE_ROWS]) {
     const __m256i ones = _mm256_set1_epi16(1);
     const int8_t *xb[MR_MAX];
 #pragma GCC unroll 8
     for (int i = 0; i < MR; i++) xb[i] = (const int8_t *)c->q + (m0 + i) * c->kp + sb * QK_K;
 #pragma GCC unroll 1
     for (int sub = 0; sub < SUBS; sub++) {
-        __m256i s16[MR_MAX][2];
+        const int64_t blk = sb * SUBS + sub;
+        if (fmt == FMT_Q4_K) { /* one isum per row and block: eight quads in int16 */
+            __m256i s16[MR_MAX][2];
 #pragma GCC unroll 8
-        for (int i = 0; i < MR; i++) s16[i][0] = s16[i][1] = _mm256_setzero_si256();
+            for (int i = 0; i < MR; i++) s16[i][0] = s16[i][1] = _mm256_setzero_si256();
 #pragma GCC unroll 8
-        for (int j = 0; j < 8; j++) {
-            const __m256i w0 = u->q[sub][j][0], w1 = u->q[sub][j][1];
+            for (int qd = 0; qd < 8; qd++) {
+                const __m256i w0 = u->q[sub][qd][0], w1 = u->q[sub][qd][1];
+#pragma GCC unroll 8
+                for (int i = 0; i < MR; i++) {
+                    int32_t quad;
+                    memcpy(&quad, xb[i] + QK * sub + 4 * qd, sizeof quad);
+                    const __m256i xq = _mm256_set1_epi32(quad);
+                    s16[i][0] = _mm256_add_epi16(s16[i][0], _mm256_maddubs_epi16(w0, xq));
+                    s16[i][1] = _mm256_add_epi16(s16[i][1], _mm256_maddubs_epi16(w1, xq));
+                }
+            }
 #pragma GCC unroll 8
             for (int i = 0; i < MR; i++) {
-                int32_t quad;
-                memcpy(&quad, xb[i] + QK * sub + 4 * j, sizeof quad);
-                const __m256i xq = _mm256_set1_epi32(quad);
-                s16[i][0] = _mm256_add_epi16(s16[i][0], _mm256_maddubs_epi16(w0, xq));
-                s16[i][1] = _mm256_add_epi16(s16[i][1], _mm256_maddubs_epi16(w1, xq));
+                const int64_t at = (m0 + i) * c->nb + blk;
+                const __m256 dx = _mm256_set1_ps(c->d[at]), sx = _mm256_set1_ps(c->s[at]);
+                for (int h = 0; h < 2; h++) {
+                    float *sums = acc[i] + 8 * h;
+                    const __m256 is = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[i][h], ones));
+                    const __m256 v = _mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(u->scale[h][sub], dx), is),
+                                                   _mm256_mul_ps(u->scale[h][SUBS + sub], sx));
+                    _mm256_storeu_ps(sums, _mm256_add_ps(_mm256_loadu_ps(sums), v));
+                }
             }
+            continue;
         }
+        __m256 first[MR_MAX][2]; /* Q6_K: da isa, the block's first half */
+#pragma GCC unroll 2
+        for (int part = 0; part < 2; part++) { /* quads 4 part .. 4 part + 3, two at a time */
+            __m256i isum[MR_MAX][2];
 #pragma GCC unroll 8
-        for (int i = 0; i < MR; i++) {
-            const int64_t at = (m0 + i) * c->nb + sb * SUBS + sub;
-            const __m256 dx = _mm256_set1_ps(c->d[at]), sx = _mm256_set1_ps(c->s[at]);
-            for (int h = 0; h < 2; h++) {
-                float *sums = acc[i] + 8 * h;
-                const __m256 is = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[i][h], ones));
-                const __m256 v = _mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(u->scale[h][sub], dx), is),
-                                               _mm256_mul_ps(u->scale[h][SUBS + sub], sx));
-                _mm256_storeu_ps(sums, _mm256_add_ps(_mm256_loadu_ps(sums), v));
+            for (int i = 0; i < MR; i++)
+                isum[i][0] = isum[i][1] =
+                    _mm256_set1_epi32(-32 * c->sum16[2 * ((m0 + i) * c->nb + blk) + part]);
+#pragma GCC unroll 2
+            for (int pair = 0; pair < 2; pair++) {
+                __m256i s16[MR_MAX][2];
+#pragma GCC unroll 8
+                for (int i = 0; i < MR; i++) s16[i][0] = s16[i][1] = _mm256_setzero_si256();
+#pragma GCC unroll 2
+                for (int q = 0; q < 2; q++) {
+                    const int qd = 4 * part + 2 * pair + q;
+                    const __m256i w0 = u->q[sub][qd][0], w1 = u->q[sub][qd][1];
+#pragma GCC unroll 8
+                    for (int i = 0; i < MR; i++) {
+                        int32_t quad;
+                        memcpy(&quad, xb[i] + QK * sub + 4 * qd, sizeof quad);
+                        const __m256i xq = _mm256_set1_epi32(quad);
+                        s16[i][0] = _mm256_add_epi16(s16[i][0], _mm256_maddubs_epi16(w0, xq));
+                        s16[i][1] = _mm256_add_epi16(s16[i][1], _mm256_maddubs_epi16(w1, xq));
+                    }
+                }
+#pragma GCC unroll 8
+                for (int i = 0; i < MR; i++)
+                    for (int h = 0; h < 2; h++)
+                        isum[i][h] = _mm256_add_epi32(isum[i][h], _mm256_madd_epi16(s16[i][h], ones));
+            }
+#pragma GCC unroll 8
+            for (int i = 0; i < MR; i++) {
+                const __m256 dx = _mm256_set1_ps(c->d[(m0 + i) * c->nb + blk]);
+                for (int h = 0; h < 2; h++) {
+                    float *sums = acc[i] + 8 * h;
+                    const __m256 is = _mm256_cvtepi32_ps(isum[i][h]);
+                    if (part == 0) {
+                        first[i][h] = _mm256_mul_ps(u->scale[h][2 * sub], is);
+                    } else { /* v = (da isa + db isb) dx, then acc + v */
+                        const __m256 prod = _mm256_mul_ps(u->scale[h][2 * sub + 1], is);
+                        const __m256 v = _mm256_mul_ps(_mm256_add_ps(first[i][h], prod), dx);
+                        _mm256_storeu_ps(sums, _mm256_add_ps(_mm256_loadu_ps(sums), v));
+                    }
+                }
             }
         }
     }
@@ -1925,11 +2014,11 @@ static inline int many_rows_from(int fmt) { return fmt == FMT_Q6_K ? 5 : 8; }
         case 2: many_rows_kernel(2, FMT, c, m0, sb, u, acc + (m0 - mb0)); break;         \
         default: many_rows_kernel(MANY_ROWS_MR, FMT, c, m0, sb, u, acc + (m0 - mb0)); break; \
     }
-#define MANY_ROWS_BYTE_DISPATCH                                                          \
+#define MANY_ROWS_BYTE_DISPATCH(FMT)                                                     \
     switch (mr) {                                                                        \
-        case 1: many_rows_byte_kernel(1, c, m0, sb, u, acc + (m0 - mb0)); break;         \
-        case 2: many_rows_byte_kernel(2, c, m0, sb, u, acc + (m0 - mb0)); break;         \
-        default: many_rows_byte_kernel(MANY_ROWS_MR, c, m0, sb, u, acc + (m0 - mb0)); break; \
+        case 1: many_rows_byte_kernel(1, FMT, c, m0, sb, u, acc + (m0 - mb0)); break;    \
+        case 2: many_rows_byte_kernel(2, FMT, c, m0, sb, u, acc + (m0 - mb0)); break;    \
+        default: many_rows_byte_kernel(MANY_ROWS_MR, FMT, c, m0, sb, u, acc + (m0 - mb0)); break; \
     }
 
 /* As run_tiles with tiled_tile, for the k-quants in the tiled order: per group and batch of
@@ -1954,7 +2043,8 @@ static void run_many_rows(const int_ctx *c, const void *bias, void *y, int y_bf1
                 for (int64_t sb = 0; sb < sbs; sb++) {
                     const uint8_t *t = group + sb * TILE_ROWS * bb;
                     if (c->wide) unpack_super_block(t, c->fmt, u);
-                    else unpack_q4_k_bytes(t, u);
+                    else if (c->fmt == FMT_Q4_K) unpack_q4_k_bytes(t, u);
+                    else unpack_q6_k_bytes(t, u);
                     /* the next super-block (the next group's first, after the last) */
                     for (int line = 0; line < TILE_ROWS * bb; line += 64)
                         __builtin_prefetch(t + TILE_ROWS * bb + line);
@@ -1962,7 +2052,8 @@ static void run_many_rows(const int_ctx *c, const void *bias, void *y, int y_bf1
                     for (int64_t k = 0; k < chunks; k++) {
                         const int64_t left = mb0 + mb - m0, parts = chunks - k;
                         const int mr = (int)((left + parts - 1) / parts);
-                        if (!c->wide) MANY_ROWS_BYTE_DISPATCH
+                        if (!c->wide && c->fmt == FMT_Q4_K) MANY_ROWS_BYTE_DISPATCH(FMT_Q4_K)
+                        else if (!c->wide) MANY_ROWS_BYTE_DISPATCH(FMT_Q6_K)
                         else if (c->fmt == FMT_Q4_K) MANY_ROWS_DISPATCH(FMT_Q4_K)
                         else MANY_ROWS_DISPATCH(FMT_Q6_K)
                         m0 += mr;
@@ -2112,11 +2203,13 @@ int quant_matmul_int(const void *x, int x_bf16, const uint8_t *w, int fmt, int g
     /* except Q4_0 / Q4_1 in the tiled order: bytes, for group_byte_kernel */
     const int byte_quads = act == ACT_Q8 && group == TILE_ROWS && (fmt == FMT_Q4_0 || fmt == FMT_Q4_1);
 #elif defined(SPECSERVE_ISA_AVX2)
-    /* except Q4_0 / Q4_1 / Q4_K in the tiled order: bytes, for tiled_byte_kernel,
-     * q4_k_byte_kernel and many_rows_byte_kernel; Q4_K's one row runs faster as int16 (the
-     * same integers either way) */
+    /* except Q4_0 / Q4_1 and the k-quants in the tiled order: bytes, for tiled_byte_kernel,
+     * q4_k_byte_kernel (from 2 rows: one row of Q4_K runs faster as int16) and the many-rows
+     * kernel (Q6_K from its threshold: below it the int16 kernels beat bytes); the same integers
+     * either way */
     const int byte_quads = act == ACT_Q8 && group == TILE_ROWS &&
-                           (fmt == FMT_Q4_0 || fmt == FMT_Q4_1 || (fmt == FMT_Q4_K && M > 1));
+                           (fmt == FMT_Q4_0 || fmt == FMT_Q4_1 || (fmt == FMT_Q4_K && M > 1) ||
+                            (fmt == FMT_Q6_K && M >= many_rows_from(fmt)));
 #else
     const int byte_quads = 0;
 #endif
@@ -2139,12 +2232,13 @@ int quant_matmul_int(const void *x, int x_bf16, const uint8_t *w, int fmt, int g
         row_to_f32(x, x_bf16, i, K, kp, xf);
         quantize_row(xf, nb, act, wide, buf + i * kp * q_width, d + i * nb, s + i * nb,
                      sum + i * nb);
-        if (byte_quads) nibble_order((int8_t *)buf + i * kp, nb);
+        if (byte_quads && fmt != FMT_Q6_K) nibble_order((int8_t *)buf + i * kp, nb);
         if (!halves) continue;
-        const int16_t *q = (const int16_t *)buf + i * kp;
         for (int64_t h = 0; h < 2 * nb; h++) {
             int32_t total = 0;
-            for (int j = 0; j < QK / 2; j++) total += q[h * (QK / 2) + j];
+            for (int j = 0; j < QK / 2; j++)
+                total += wide ? ((const int16_t *)buf)[i * kp + h * (QK / 2) + j]
+                              : ((const int8_t *)buf)[i * kp + h * (QK / 2) + j];
             sum16[i * 2 * nb + h] = total;
         }
     }

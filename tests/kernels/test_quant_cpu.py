@@ -215,7 +215,8 @@ def test_k_quant_kernels_on_random_blocks(isa: str, fmt: str, m: int, act: str):
     order the activation format runs: the integer kernel gives its model's bits, the fp32 one
     the reference's sums within fp32 rounding. On AVX2 the tiled order runs Q6_K's 1, 2 and 4
     rows through its paired kernel and from 5 (Q6_K) or 8 (Q4_K) rows the many-rows kernel; 70
-    rows take two of its batches."""
+    rows take two of its batches. Against Q8 activations those multiply bytes (Q4_K from 2
+    rows, Q6_K from 5)."""
     qw = _random_blocks(fmt, 48, 3 * QK_K, seed=m)
     x = _randn(m, 3 * QK_K, seed=m).to(torch.bfloat16)
     orders = (1, ROW_GROUP) if act == "fp32" else (1, ROW_GROUP, TILE_ROWS)
@@ -231,18 +232,20 @@ def test_k_quant_kernels_on_random_blocks(isa: str, fmt: str, m: int, act: str):
 
 
 @pytest.mark.parametrize("act", INT_ACTS)
-@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q4_K"])
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q4_K", "Q6_K"])
 @pytest.mark.parametrize("m", [1, 3, 8])
 def test_int_kernels_hold_the_largest_sums(isa: str, fmt: str, m: int, act: str):
-    """Every nibble 15 against activations at their largest level (a block's values all alike,
-    so every one rounds to +-L; rows of either sign): the largest integer sums a 4-bit block
-    gives. The AVX2 kernels against Q8 bytes add a block's VPMADDUBSW pairs in int16 lanes, whose
-    bound (8 words x 2 x 15 x 127 = 30,480) this reaches; the model's bits in every row order,
-    the tiled order's few-row and (Q4_K, 8 rows) many-row kernels."""
+    """Every weight at its largest unsigned value (nibbles 15, Q6_K's q 63) against activations
+    at their largest level (a block's values all alike, so every one rounds to +-L; rows of
+    either sign): the largest integer sums a block gives. The AVX2 kernels against Q8 bytes add
+    VPMADDUBSW pairs in int16 lanes, whose bounds this reaches (4-bit: a block's 8 words, 8 x 2
+    x 15 x 127 = 30,480; Q6_K: two quads, 2 x 2 x 63 x 127 = 32,004); the model's bits in every
+    row order, the tiled order's few-row and (k-quants, 8 rows) many-row kernels."""
     n, k = 32, 2 * QK_K
     qw = _random_blocks(fmt, n, k, seed=m)
-    values_from = {"Q4_0": 2, "Q4_1": 4, "Q4_K": 16}[fmt]  # the bytes after the scale fields
-    qw.blocks.view(n, -1, qw.fmt.block_bytes)[..., values_from:] = 0xFF
+    # the value bytes, between the scale fields
+    values = {"Q4_0": (2, 18), "Q4_1": (4, 20), "Q4_K": (16, 144), "Q6_K": (0, 192)}[fmt]
+    qw.blocks.view(n, -1, qw.fmt.block_bytes)[..., values[0]:values[1]] = 0xFF
     x = torch.ones(m, k)
     x[1::2] = -1.0
     want = quant_linear_int_reference(x, qw, act=act)
