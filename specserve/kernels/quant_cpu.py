@@ -22,11 +22,11 @@ this CPU supports.
         VPDPWSSD's 32 for int16): 24 widened layers of Q4_1 from memory at 5 / 8 / 16 / 32
         rows in 0.90 / 0.87 / 0.80 / 0.78x q16's time (2-vCPU Sapphire Rapids class Xeon,
         where the products are compute-bound from a few rows); the same at one row. On the
-        demo target (int4 weights) its NLL is q16's (3.9952 against 3.9951). On AVX2, Q4_0 /
-        Q4_1 / Q4_K in the tiled order multiply the bytes too (VPMADDUBSW, four weights of a
-        row per int16 lane pair, summed in int16 over a block): 24 widened layers from memory
-        at 3 / 5 / 16 / 32 rows in 0.73-0.76 / 0.67-0.76 / 0.75-0.87 / 0.63-0.79x q16's time
-        (2-core Zen 3); 0.90-0.98x at one row.
+        demo target (int4 weights) its NLL is q16's (3.9952 against 3.9951). On AVX2 the
+        tiled order multiplies the bytes too (VPMADDUBSW, four weights of a row per int16 lane
+        pair, summed in int16): Q4_0 / Q4_1 / Q4_K, 24 widened layers from memory at 3 / 5 /
+        16 / 32 rows in 0.73-0.76 / 0.67-0.76 / 0.75-0.87 / 0.63-0.79x q16's time (2-core Zen
+        3; 0.90-0.98x at one row), Q6_K from 5 rows 0.57-0.87x.
   fp32  each weight converted to fp32 and multiplied by the fp32 activation: no activation
         rounding (differs from the dequantize-then-matmul reference in summation order only).
 """
