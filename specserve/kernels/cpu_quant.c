@@ -1901,6 +1901,27 @@ static void unpack_q6_k_bytes(const uint8_t *t, unpacked_super_block *u) {
         for (int qd = 0; qd < 8; qd++) q6_k_byte_quads(t, sub, 2 * qd, u->q[sub][qd]);
 }
 
+/* MR rows' VPMADDUBSW sums over quads qd0 .. qd0 + n - 1 of block `sub` of an unpacked
+ * super-block (bytes), from zero, in int16: s16[i][h] for lo / hi vector h. n within the
+ * format's int16 bound (Q4_K 8, Q6_K 2). */
+SIMD_INLINE void quads_int16(const int MR, const unpacked_super_block *u, int sub, int qd0,
+                             const int n, const int8_t *const xb[MR_MAX], __m256i s16[MR_MAX][2]) {
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; i++) s16[i][0] = s16[i][1] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int qd = qd0; qd < qd0 + n; qd++) {
+        const __m256i w0 = u->q[sub][qd][0], w1 = u->q[sub][qd][1];
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; i++) {
+            int32_t quad;
+            memcpy(&quad, xb[i] + QK * sub + 4 * qd, sizeof quad);
+            const __m256i xq = _mm256_set1_epi32(quad);
+            s16[i][0] = _mm256_add_epi16(s16[i][0], _mm256_maddubs_epi16(w0, xq));
+            s16[i][1] = _mm256_add_epi16(s16[i][1], _mm256_maddubs_epi16(w1, xq));
+        }
+    }
+}
+
 /* many_rows_kernel against Q8 bytes (unpack_q4_k_bytes, unpack_q6_k_bytes): the integers of
  * q4_k_byte_kernel and of q6_k_byte_quads' products, and many_rows_kernel's fp32 steps, the sums
  * acc in lo / hi lane order. 2-core Zen 3, 24 widened layers from memory, best of 7, Q8 taken
@@ -1918,20 +1939,7 @@ SIMD_INLINE void many_rows_byte_kernel(const int MR, const int fmt, const int_ct
         const int64_t blk = sb * SUBS + sub;
         if (fmt == FMT_Q4_K) { /* one isum per row and block: eight quads in int16 */
             __m256i s16[MR_MAX][2];
-#pragma GCC unroll 8
-            for (int i = 0; i < MR; i++) s16[i][0] = s16[i][1] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-            for (int qd = 0; qd < 8; qd++) {
-                const __m256i w0 = u->q[sub][qd][0], w1 = u->q[sub][qd][1];
-#pragma GCC unroll 8
-                for (int i = 0; i < MR; i++) {
-                    int32_t quad;
-                    memcpy(&quad, xb[i] + QK * sub + 4 * qd, sizeof quad);
-                    const __m256i xq = _mm256_set1_epi32(quad);
-                    s16[i][0] = _mm256_add_epi16(s16[i][0], _mm256_maddubs_epi16(w0, xq));
-                    s16[i][1] = _mm256_add_epi16(s16[i][1], _mm256_maddubs_epi16(w1, xq));
-                }
-            }
+            quads_int16(MR, u, sub, 0, 8, xb, s16);
 #pragma GCC unroll 8
             for (int i = 0; i < MR; i++) {
                 const int64_t at = (m0 + i) * c->nb + blk;
@@ -1957,21 +1965,7 @@ SIMD_INLINE void many_rows_byte_kernel(const int MR, const int fmt, const int_ct
 #pragma GCC unroll 2
             for (int pair = 0; pair < 2; pair++) {
                 __m256i s16[MR_MAX][2];
-#pragma GCC unroll 8
-                for (int i = 0; i < MR; i++) s16[i][0] = s16[i][1] = _mm256_setzero_si256();
-#pragma GCC unroll 2
-                for (int q = 0; q < 2; q++) {
-                    const int qd = 4 * part + 2 * pair + q;
-                    const __m256i w0 = u->q[sub][qd][0], w1 = u->q[sub][qd][1];
-#pragma GCC unroll 8
-                    for (int i = 0; i < MR; i++) {
-                        int32_t quad;
-                        memcpy(&quad, xb[i] + QK * sub + 4 * qd, sizeof quad);
-                        const __m256i xq = _mm256_set1_epi32(quad);
-                        s16[i][0] = _mm256_add_epi16(s16[i][0], _mm256_maddubs_epi16(w0, xq));
-                        s16[i][1] = _mm256_add_epi16(s16[i][1], _mm256_maddubs_epi16(w1, xq));
-                    }
-                }
+                quads_int16(MR, u, sub, 4 * part + 2 * pair, 2, xb, s16);
 #pragma GCC unroll 8
                 for (int i = 0; i < MR; i++)
                     for (int h = 0; h < 2; h++)
