@@ -55,7 +55,7 @@
  * The k-quants take the activations as int16 (Q8 values too: their blocks are widened to
  * int16), so Q8 changes only the activations' rounding for them, except in the tiled order on
  * AVX2, which multiplies Q8 bytes (Q4_K from 2 rows, Q6_K from 5: q4_k_byte_kernel,
- * many_rows_byte_kernel).
+ * many_rows_kernel).
  * The integers are exact and the fp32 operations are the same, in the same order, on every
  * path, so every path computes the same bits, and so does the PyTorch model of these numerics
  * (quant_reference.quant_linear_int_reference); only the quantized activations differ from the
@@ -1507,66 +1507,6 @@ static void unpack_super_block(const uint8_t *t, int fmt, unpacked_super_block *
     }
 }
 
-/* MR activation rows from m0 against unpacked super-block sb of a group, both halves:
- * acc[i][r] += row m0 + i's blocks of sb, one at a time in k order (acc: the rows' fp32 sums,
- * 16 outputs each). Q4_K: one isum per block; Q6_K: one per half-block, each starting at -32
- * times its activations' sum (see tiled_k_micro_kernel). */
-SIMD_INLINE void many_rows_kernel(const int MR, const int fmt, const int_ctx *c, int64_t m0,
-                                  int64_t sb, const unpacked_super_block *u,
-                                  float (*acc)[TILE_ROWS]) {
-    const int16_t *x[MR_MAX];
-#pragma GCC unroll 8
-    for (int i = 0; i < MR; i++) x[i] = (const int16_t *)c->q + (m0 + i) * c->kp + sb * QK_K;
-    const int parts = fmt == FMT_Q6_K ? 2 : 1, pair_count = 16 / parts;
-#pragma GCC unroll 1
-    for (int sub = 0; sub < SUBS; sub++) {
-        const int64_t blk = sb * SUBS + sub;
-        __m256 first[MR_MAX][2]; /* Q6_K: da isa, the block's first half */
-#pragma GCC unroll 2
-        for (int part = 0; part < parts; part++) {
-            __m256i isum[MR_MAX][2];
-#pragma GCC unroll 8
-            for (int i = 0; i < MR; i++) {
-                const __m256i start =
-                    fmt == FMT_Q6_K ? _mm256_set1_epi32(-32 * c->sum16[2 * ((m0 + i) * c->nb + blk) + part])
-                                    : _mm256_setzero_si256();
-                isum[i][0] = isum[i][1] = start;
-            }
-#pragma GCC unroll 4
-            for (int j = pair_count * part; j < pair_count * (part + 1); j++) {
-                const __m256i q0 = u->q[sub][j][0], q1 = u->q[sub][j][1];
-#pragma GCC unroll 8
-                for (int i = 0; i < MR; i++) {
-                    const __m256i xp = pair_at(x[i] + QK * sub + 2 * j);
-                    isum[i][0] = pair_dot(isum[i][0], q0, xp);
-                    isum[i][1] = pair_dot(isum[i][1], q1, xp);
-                }
-            }
-#pragma GCC unroll 8
-            for (int i = 0; i < MR; i++) {
-                const int64_t at = (m0 + i) * c->nb + blk;
-                const __m256 dx = _mm256_set1_ps(c->d[at]);
-                for (int h = 0; h < 2; h++) {
-                    float *sums = acc[i] + 8 * h;
-                    const __m256 is = _mm256_cvtepi32_ps(isum[i][h]);
-                    if (fmt == FMT_Q4_K) {
-                        const __m256 v = _mm256_add_ps(
-                            _mm256_mul_ps(_mm256_mul_ps(u->scale[h][sub], dx), is),
-                            _mm256_mul_ps(u->scale[h][SUBS + sub], _mm256_set1_ps(c->s[at])));
-                        _mm256_storeu_ps(sums, _mm256_add_ps(_mm256_loadu_ps(sums), v));
-                    } else if (part == 0) {
-                        first[i][h] = _mm256_mul_ps(u->scale[h][2 * sub], is);
-                    } else { /* v = (da isa + db isb) dx, then acc + v */
-                        const __m256 prod = _mm256_mul_ps(u->scale[h][2 * sub + 1], is);
-                        const __m256 v = _mm256_mul_ps(_mm256_add_ps(first[i][h], prod), dx);
-                        _mm256_storeu_ps(sums, _mm256_add_ps(_mm256_loadu_ps(sums), v));
-                    }
-                }
-            }
-        }
-    }
-}
-
 /* ---- Q6_K at one or two rows (AVX2): both halves of a group from one 32-byte load ----------
  *
  * tiled_k_micro_kernel unpacks a Q6_K word 8 rows at a time: two 16-byte loads (low and high
@@ -1855,28 +1795,6 @@ SIMD_INLINE void q6_k_byte_quads(const uint8_t *t, int sub, int j, __m256i w[2])
     w[1] = _mm256_unpackhi_epi16(a, b);
 }
 
-/* Rows per pass: up to 3 (the same register budget as tiled_micro_kernel's passes). */
-#define TILED_BYTE_PASS(MR, FMT, M0, OUT) tiled_byte_kernel(MR, FMT, c, M0, group, OUT)
-#define TILED_BYTE_DISPATCH_MR(FMT)                                                               \
-    switch (mr) {                                                                                 \
-        case 1: TILED_BYTE_PASS(1, FMT, m0, out); break;                                          \
-        case 2: TILED_BYTE_PASS(2, FMT, m0, out); break;                                          \
-        case 3: TILED_BYTE_PASS(3, FMT, m0, out); break;                                          \
-        case 4: TILED_BYTE_PASS(2, FMT, m0, out); TILED_BYTE_PASS(2, FMT, m0 + 2, out + 2); break; \
-        case 5: TILED_BYTE_PASS(3, FMT, m0, out); TILED_BYTE_PASS(2, FMT, m0 + 3, out + 3); break; \
-        default: TILED_BYTE_PASS(3, FMT, m0, out); TILED_BYTE_PASS(3, FMT, m0 + 3, out + 3); break; \
-    }
-#define Q4_K_BYTE_PASS(MR, M0, OUT) q4_k_byte_kernel(MR, c, M0, group, OUT)
-#define Q4_K_BYTE_DISPATCH_MR                                                                      \
-    switch (mr) {                                                                                  \
-        case 1: Q4_K_BYTE_PASS(1, m0, out); break;                                                 \
-        case 2: Q4_K_BYTE_PASS(2, m0, out); break;                                                 \
-        case 3: Q4_K_BYTE_PASS(3, m0, out); break;                                                 \
-        case 4: Q4_K_BYTE_PASS(2, m0, out); Q4_K_BYTE_PASS(2, m0 + 2, out + 2); break;             \
-        case 5: Q4_K_BYTE_PASS(3, m0, out); Q4_K_BYTE_PASS(2, m0 + 3, out + 3); break;             \
-        default: Q4_K_BYTE_PASS(3, m0, out); Q4_K_BYTE_PASS(3, m0 + 3, out + 3); break;            \
-    }
-
 /* Q4_K's super-block for the many-rows kernel against Q8 bytes: u->q[sub][j] (j < 8) as
  * q4_k_byte_words gives it, u->scale as q4_k_lo_hi_scales (both in lo / hi lane order). */
 static void unpack_q4_k_bytes(const uint8_t *t, unpacked_super_block *u) {
@@ -1922,70 +1840,98 @@ SIMD_INLINE void quads_int16(const int MR, const unpacked_super_block *u, int su
     }
 }
 
-/* many_rows_kernel against Q8 bytes (unpack_q4_k_bytes, unpack_q6_k_bytes): the integers of
- * q4_k_byte_kernel and of q6_k_byte_quads' products, and many_rows_kernel's fp32 steps, the sums
- * acc in lo / hi lane order. 2-core Zen 3, 24 widened layers from memory, best of 7, Q8 taken
+/* The many-rows kernels' fp32 step after part `part` of block blk (sub within its super-block)
+ * for rows m0 .. m0 + MR - 1, from their int32 isums (both 8-lane vectors h), on the sums in
+ * memory (acc) in k order: Q4_K acc + (d sc dx) isum + (-(dmin m)) s; Q6_K the first half's
+ * d sc isum waits in first, the second's gives acc + (first + prod) dx. */
+SIMD_INLINE void many_rows_step(const int MR, const int fmt, const int_ctx *c, int64_t m0,
+                                int64_t blk, int sub, int part, const unpacked_super_block *u,
+                                __m256i isum[MR_MAX][2], __m256 first[MR_MAX][2],
+                                float (*acc)[TILE_ROWS]) {
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; i++) {
+        const int64_t at = (m0 + i) * c->nb + blk;
+        const __m256 dx = _mm256_set1_ps(c->d[at]);
+        for (int h = 0; h < 2; h++) {
+            float *sums = acc[i] + 8 * h;
+            const __m256 is = _mm256_cvtepi32_ps(isum[i][h]);
+            if (fmt == FMT_Q4_K) {
+                const __m256 v = _mm256_add_ps(
+                    _mm256_mul_ps(_mm256_mul_ps(u->scale[h][sub], dx), is),
+                    _mm256_mul_ps(u->scale[h][SUBS + sub], _mm256_set1_ps(c->s[at])));
+                _mm256_storeu_ps(sums, _mm256_add_ps(_mm256_loadu_ps(sums), v));
+            } else if (part == 0) {
+                first[i][h] = _mm256_mul_ps(u->scale[h][2 * sub], is);
+            } else { /* v = (da isa + db isb) dx, then acc + v */
+                const __m256 prod = _mm256_mul_ps(u->scale[h][2 * sub + 1], is);
+                const __m256 v = _mm256_mul_ps(_mm256_add_ps(first[i][h], prod), dx);
+                _mm256_storeu_ps(sums, _mm256_add_ps(_mm256_loadu_ps(sums), v));
+            }
+        }
+    }
+}
+
+/* MR activation rows from m0 against unpacked super-block sb of a group, both halves:
+ * acc[i][r] += row m0 + i's blocks of sb, one at a time in k order (acc: the rows' fp32 sums,
+ * 16 outputs each). Q4_K: one isum per block; Q6_K: one per half-block, each starting at -32
+ * times its activations' sum (see tiled_k_micro_kernel). `bytes`: Q8 activation bytes against
+ * unpack_q4_k_bytes' or unpack_q6_k_bytes' quads (the sums then in lo / hi lane order), the
+ * integers of q4_k_byte_kernel and q6_k_byte_quads' products. Either way the fp32 steps are
+ * many_rows_step's. Bytes, 2-core Zen 3, 24 widened layers from memory, best of 7, Q8 taken
  * as int16 -> as bytes: Q6_K 5 / 8 / 16 / 32 rows 0.82 / 0.81 / 0.78 / 0.78x the time (its
  * 2-4 rows as bytes, here or in a few-row kernel, ran 0.93-1.34x: not taken). */
-SIMD_INLINE void many_rows_byte_kernel(const int MR, const int fmt, const int_ctx *c, int64_t m0,
-                                       int64_t sb, const unpacked_super_block *u,
-                                       float (*acc)[TILE_ROWS]) {
+SIMD_INLINE void many_rows_kernel(const int MR, const int fmt, const int bytes, const int_ctx *c,
+                                  int64_t m0, int64_t sb, const unpacked_super_block *u,
+                                  float (*acc)[TILE_ROWS]) {
     const __m256i ones = _mm256_set1_epi16(1);
+    const int16_t *x[MR_MAX];
     const int8_t *xb[MR_MAX];
 #pragma GCC unroll 8
-    for (int i = 0; i < MR; i++) xb[i] = (const int8_t *)c->q + (m0 + i) * c->kp + sb * QK_K;
+    for (int i = 0; i < MR; i++) {
+        x[i] = (const int16_t *)c->q + (m0 + i) * c->kp + sb * QK_K;
+        xb[i] = (const int8_t *)c->q + (m0 + i) * c->kp + sb * QK_K;
+    }
+    /* int16 pairs per part: Q4_K all 16 of a block, Q6_K 8 (a half-block); bytes: Q4_K a block's
+     * eight quads summed in int16 at once, Q6_K a half's four, two at a time */
+    const int parts = fmt == FMT_Q6_K ? 2 : 1, pair_count = 16 / parts, quads = 8 / parts;
+    const int in_int16 = fmt == FMT_Q6_K ? 2 : 8;
 #pragma GCC unroll 1
     for (int sub = 0; sub < SUBS; sub++) {
         const int64_t blk = sb * SUBS + sub;
-        if (fmt == FMT_Q4_K) { /* one isum per row and block: eight quads in int16 */
-            __m256i s16[MR_MAX][2];
-            quads_int16(MR, u, sub, 0, 8, xb, s16);
-#pragma GCC unroll 8
-            for (int i = 0; i < MR; i++) {
-                const int64_t at = (m0 + i) * c->nb + blk;
-                const __m256 dx = _mm256_set1_ps(c->d[at]), sx = _mm256_set1_ps(c->s[at]);
-                for (int h = 0; h < 2; h++) {
-                    float *sums = acc[i] + 8 * h;
-                    const __m256 is = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[i][h], ones));
-                    const __m256 v = _mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(u->scale[h][sub], dx), is),
-                                                   _mm256_mul_ps(u->scale[h][SUBS + sub], sx));
-                    _mm256_storeu_ps(sums, _mm256_add_ps(_mm256_loadu_ps(sums), v));
-                }
-            }
-            continue;
-        }
         __m256 first[MR_MAX][2]; /* Q6_K: da isa, the block's first half */
 #pragma GCC unroll 2
-        for (int part = 0; part < 2; part++) { /* quads 4 part .. 4 part + 3, two at a time */
+        for (int part = 0; part < parts; part++) {
             __m256i isum[MR_MAX][2];
 #pragma GCC unroll 8
-            for (int i = 0; i < MR; i++)
-                isum[i][0] = isum[i][1] =
-                    _mm256_set1_epi32(-32 * c->sum16[2 * ((m0 + i) * c->nb + blk) + part]);
-#pragma GCC unroll 2
-            for (int pair = 0; pair < 2; pair++) {
-                __m256i s16[MR_MAX][2];
-                quads_int16(MR, u, sub, 4 * part + 2 * pair, 2, xb, s16);
-#pragma GCC unroll 8
-                for (int i = 0; i < MR; i++)
-                    for (int h = 0; h < 2; h++)
-                        isum[i][h] = _mm256_add_epi32(isum[i][h], _mm256_madd_epi16(s16[i][h], ones));
-            }
-#pragma GCC unroll 8
             for (int i = 0; i < MR; i++) {
-                const __m256 dx = _mm256_set1_ps(c->d[(m0 + i) * c->nb + blk]);
-                for (int h = 0; h < 2; h++) {
-                    float *sums = acc[i] + 8 * h;
-                    const __m256 is = _mm256_cvtepi32_ps(isum[i][h]);
-                    if (part == 0) {
-                        first[i][h] = _mm256_mul_ps(u->scale[h][2 * sub], is);
-                    } else { /* v = (da isa + db isb) dx, then acc + v */
-                        const __m256 prod = _mm256_mul_ps(u->scale[h][2 * sub + 1], is);
-                        const __m256 v = _mm256_mul_ps(_mm256_add_ps(first[i][h], prod), dx);
-                        _mm256_storeu_ps(sums, _mm256_add_ps(_mm256_loadu_ps(sums), v));
+                const __m256i start =
+                    fmt == FMT_Q6_K ? _mm256_set1_epi32(-32 * c->sum16[2 * ((m0 + i) * c->nb + blk) + part])
+                                    : _mm256_setzero_si256();
+                isum[i][0] = isum[i][1] = start;
+            }
+            if (bytes) {
+#pragma GCC unroll 2
+                for (int qd0 = quads * part; qd0 < quads * (part + 1); qd0 += in_int16) {
+                    __m256i s16[MR_MAX][2];
+                    quads_int16(MR, u, sub, qd0, in_int16, xb, s16);
+#pragma GCC unroll 8
+                    for (int i = 0; i < MR; i++)
+                        for (int h = 0; h < 2; h++)
+                            isum[i][h] = _mm256_add_epi32(isum[i][h], _mm256_madd_epi16(s16[i][h], ones));
+                }
+            } else {
+#pragma GCC unroll 4
+                for (int j = pair_count * part; j < pair_count * (part + 1); j++) {
+                    const __m256i q0 = u->q[sub][j][0], q1 = u->q[sub][j][1];
+#pragma GCC unroll 8
+                    for (int i = 0; i < MR; i++) {
+                        const __m256i xp = pair_at(x[i] + QK * sub + 2 * j);
+                        isum[i][0] = pair_dot(isum[i][0], q0, xp);
+                        isum[i][1] = pair_dot(isum[i][1], q1, xp);
                     }
                 }
             }
+            many_rows_step(MR, fmt, c, m0, blk, sub, part, u, isum, first, acc);
         }
     }
 }
@@ -2002,17 +1948,11 @@ SIMD_INLINE void many_rows_byte_kernel(const int MR, const int fmt, const int_ct
  * row counts below run alike). */
 static inline int many_rows_from(int fmt) { return fmt == FMT_Q6_K ? 5 : 8; }
 
-#define MANY_ROWS_DISPATCH(FMT)                                                          \
+#define MANY_ROWS_DISPATCH(FMT, BYTES)                                                   \
     switch (mr) {                                                                        \
-        case 1: many_rows_kernel(1, FMT, c, m0, sb, u, acc + (m0 - mb0)); break;         \
-        case 2: many_rows_kernel(2, FMT, c, m0, sb, u, acc + (m0 - mb0)); break;         \
-        default: many_rows_kernel(MANY_ROWS_MR, FMT, c, m0, sb, u, acc + (m0 - mb0)); break; \
-    }
-#define MANY_ROWS_BYTE_DISPATCH(FMT)                                                     \
-    switch (mr) {                                                                        \
-        case 1: many_rows_byte_kernel(1, FMT, c, m0, sb, u, acc + (m0 - mb0)); break;    \
-        case 2: many_rows_byte_kernel(2, FMT, c, m0, sb, u, acc + (m0 - mb0)); break;    \
-        default: many_rows_byte_kernel(MANY_ROWS_MR, FMT, c, m0, sb, u, acc + (m0 - mb0)); break; \
+        case 1: many_rows_kernel(1, FMT, BYTES, c, m0, sb, u, acc + (m0 - mb0)); break;  \
+        case 2: many_rows_kernel(2, FMT, BYTES, c, m0, sb, u, acc + (m0 - mb0)); break;  \
+        default: many_rows_kernel(MANY_ROWS_MR, FMT, BYTES, c, m0, sb, u, acc + (m0 - mb0)); break; \
     }
 
 /* As run_tiles with tiled_tile, for the k-quants in the tiled order: per group and batch of
@@ -2046,10 +1986,10 @@ static void run_many_rows(const int_ctx *c, const void *bias, void *y, int y_bf1
                     for (int64_t k = 0; k < chunks; k++) {
                         const int64_t left = mb0 + mb - m0, parts = chunks - k;
                         const int mr = (int)((left + parts - 1) / parts);
-                        if (!c->wide && c->fmt == FMT_Q4_K) MANY_ROWS_BYTE_DISPATCH(FMT_Q4_K)
-                        else if (!c->wide) MANY_ROWS_BYTE_DISPATCH(FMT_Q6_K)
-                        else if (c->fmt == FMT_Q4_K) MANY_ROWS_DISPATCH(FMT_Q4_K)
-                        else MANY_ROWS_DISPATCH(FMT_Q6_K)
+                        if (!c->wide && c->fmt == FMT_Q4_K) MANY_ROWS_DISPATCH(FMT_Q4_K, 1)
+                        else if (!c->wide) MANY_ROWS_DISPATCH(FMT_Q6_K, 1)
+                        else if (c->fmt == FMT_Q4_K) MANY_ROWS_DISPATCH(FMT_Q4_K, 0)
+                        else MANY_ROWS_DISPATCH(FMT_Q6_K, 0)
                         m0 += mr;
                     }
                 }
@@ -2072,16 +2012,22 @@ static void run_many_rows(const int_ctx *c, const void *bias, void *y, int y_bf1
  * before -> after: Q4_1 4 / 5 / 8 / 16 / 32 rows 18.1 -> 16.9, 20.5 -> 19.1, 34.3 -> 31.8,
  * 65.5 -> 59.5, 129.4 -> 118.4; Q8_0 29.2 -> 27.4, 29.4 -> 25.2, 47.3 -> 43.5, 69.6 -> 62.6,
  * 169.9 -> 145.3; Q4_0 alike; the same bits. */
-#define TILED_PASS(MR, FMT, M0, OUT) tiled_micro_kernel(MR, 2, 0, FMT, c, M0, group, OUT)
-#define TILED_DISPATCH_MR(FMT)                                                          \
+/* mr rows (up to MR_MAX) as passes of at most 3: PASS(MR, FMT, M0, OUT) each. */
+#define PASSES_OF_3(PASS, FMT)                                                          \
     switch (mr) {                                                                       \
-        case 1: TILED_PASS(1, FMT, m0, out); break;                                     \
-        case 2: TILED_PASS(2, FMT, m0, out); break;                                     \
-        case 3: TILED_PASS(3, FMT, m0, out); break;                                     \
-        case 4: TILED_PASS(2, FMT, m0, out); TILED_PASS(2, FMT, m0 + 2, out + 2); break; \
-        case 5: TILED_PASS(3, FMT, m0, out); TILED_PASS(2, FMT, m0 + 3, out + 3); break; \
-        default: TILED_PASS(3, FMT, m0, out); TILED_PASS(3, FMT, m0 + 3, out + 3); break; \
+        case 1: PASS(1, FMT, m0, out); break;                                           \
+        case 2: PASS(2, FMT, m0, out); break;                                           \
+        case 3: PASS(3, FMT, m0, out); break;                                           \
+        case 4: PASS(2, FMT, m0, out); PASS(2, FMT, m0 + 2, out + 2); break;            \
+        case 5: PASS(3, FMT, m0, out); PASS(2, FMT, m0 + 3, out + 3); break;            \
+        default: PASS(3, FMT, m0, out); PASS(3, FMT, m0 + 3, out + 3); break;           \
     }
+#define TILED_PASS(MR, FMT, M0, OUT) tiled_micro_kernel(MR, 2, 0, FMT, c, M0, group, OUT)
+#define TILED_DISPATCH_MR(FMT) PASSES_OF_3(TILED_PASS, FMT)
+/* The byte kernels (AVX2) the same way: at most 3 rows a pass, the register budget of
+ * tiled_micro_kernel's passes. */
+#define TILED_BYTE_PASS(MR, FMT, M0, OUT) tiled_byte_kernel(MR, FMT, c, M0, group, OUT)
+#define Q4_K_BYTE_PASS(MR, FMT, M0, OUT) q4_k_byte_kernel(MR, c, M0, group, OUT)
 
 #if defined(SPECSERVE_ISA_AVX512) || defined(SPECSERVE_ISA_AVX2)
 #define TILED_K tiled_k_micro_kernel
@@ -2148,15 +2094,15 @@ static void tiled_tile(const void *ctx, int64_t m0, int mr, int64_t n0, int nr,
 #if defined(SPECSERVE_ISA_AVX2)
         case FMT_Q4_0:
             if (c->wide) TILED_DISPATCH_MR(FMT_Q4_0)
-            else TILED_BYTE_DISPATCH_MR(FMT_Q4_0)
+            else PASSES_OF_3(TILED_BYTE_PASS, FMT_Q4_0)
             break;
         case FMT_Q4_1:
             if (c->wide) TILED_DISPATCH_MR(FMT_Q4_1)
-            else TILED_BYTE_DISPATCH_MR(FMT_Q4_1)
+            else PASSES_OF_3(TILED_BYTE_PASS, FMT_Q4_1)
             break;
         case FMT_Q4_K:
             if (c->wide) TILED_K_DISPATCH_MR(FMT_Q4_K)
-            else Q4_K_BYTE_DISPATCH_MR
+            else PASSES_OF_3(Q4_K_BYTE_PASS, FMT_Q4_K)
             break;
 #else
         case FMT_Q4_0: TILED_DISPATCH_MR(FMT_Q4_0) break;
