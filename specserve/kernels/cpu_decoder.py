@@ -24,11 +24,14 @@ import torch
 from . import cpu_attention, cpu_build, cpu_linear, cpu_norm_rope, quant_cpu
 from .quant_reference import QuantizedWeight
 
-# Rows from which a forward of a stack with bf16 projections goes layer by layer: up to here
-# every C path takes every bf16 product (cpu_linear.INVARIANT_ROWS; past it amx and avx512 hand
-# them to F.linear). A stack whose projections are all quantized takes any number of rows: the
-# quantized kernel is the layers' own at every row count, so a prompt chunk or a batch of 64
-# decoding chats runs in one call too (DecoderStack.max_rows).
+# Rows every stack takes on every C path (cpu_linear.INVARIANT_ROWS). Past them a stack with bf16
+# projections goes layer by layer where the layers hand bf16 products to F.linear (amx and
+# avx512: cpu_linear.MAX_ROWS); where the C kernels take every bf16 product (avx2, portable),
+# and for a stack whose projections are all quantized (the quantized kernel is the layers' own
+# at every row count), the stack takes any number of rows, so a prompt chunk or a batch of 64
+# decoding chats runs in one call too (DecoderStack.max_rows). The same tokens either way; on a
+# 2-core Zen 3 (avx2, the widened bf16 target) the step at 40 or 64 chats is the products',
+# so the stack's saving there (the layers' Python dispatch) is within the machine's swings.
 MAX_ROWS = cpu_linear.INVARIANT_ROWS
 
 _LINEAR_BF16, _LINEAR_QUANT = 0, 1
@@ -171,7 +174,9 @@ class DecoderStack:
         self.dtype = dtype
         dense = any(not isinstance(part.weight, QuantizedWeight) for w in layers
                     for proj in (w.qkv, w.o, w.gate_up, w.down) for part in proj.parts)
-        self.max_rows = MAX_ROWS if dense else sys.maxsize  # rows `run` takes (see MAX_ROWS)
+        # rows `run` takes (see MAX_ROWS)
+        self.max_rows = (cpu_linear.MAX_ROWS.get(cpu_build.selected_isa(), sys.maxsize) if dense
+                         else sys.maxsize)
         self._keep: list[torch.Tensor] = []  # every tensor the C side points into
         self._layers = (_Layer * len(layers))(*(self._layer(w) for w in layers))
         first = layers[0]

@@ -1,16 +1,16 @@
 """The decoder's layers as one C call on CPU, where every op of a layer has its C kernel.
 
 `run_layers` is DecoderLM.forward's fast path (decode, verify, short prompt chunks, and any
-rows of a quantized model): it hands the whole stack of layers to
-`kernels.cpu_decoder.DecoderStack`, which runs the same kernels the layers would, in the same
-order, without the Python dispatch between them. It returns None, and the layers run one by
-one, when the stack does not apply: CUDA, tensor parallelism (the row-parallel products
+rows of a quantized model or of any model on avx2 and portable): it hands the whole stack of
+layers to `kernels.cpu_decoder.DecoderStack`, which runs the same kernels the layers would, in
+the same order, without the Python dispatch between them. It returns None, and the layers run
+one by one, when the stack does not apply: CUDA, tensor parallelism (the row-parallel products
 all-reduce between layers), more than cpu_decoder.MAX_ROWS rows where a projection is dense
-bf16, weights the kernels do not take (fp32 dense projections), no kernel library, or
-SPECSERVE_CPU_STACK=0. Every family's block runs in it: Llama's, Qwen2's biases,
-Qwen3's q/k norms, Gemma 3's (q/k norms, norms around attention and MLP, GeGLU, its attention
-scale, sliding-window layers with their own rotary tables); a fused projection whose parts
-have different block formats runs one product per part.
+bf16 and the path hands those to F.linear (amx, avx512), weights the kernels do not take (fp32
+dense projections), no kernel library, or SPECSERVE_CPU_STACK=0. Every family's block runs in
+it: Llama's, Qwen2's biases, Qwen3's q/k norms, Gemma 3's (q/k norms, norms around attention
+and MLP, GeGLU, its attention scale, sliding-window layers with their own rotary tables); a
+fused projection whose parts have different block formats runs one product per part.
 
 The stack is built at the first forward that can use it and points into the model's weights:
 moving the model (`.to()`, which goes through `_apply`) drops it, and the weights are not

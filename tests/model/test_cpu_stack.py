@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specserve.kernels import cpu_decoder
+from specserve.kernels import cpu_decoder, cpu_linear
 from specserve.kernels.cpu_decoder import DecoderStack
 from specserve.model.loader import load_model
 from specserve.model.runner import ModelRunner, Segment
@@ -110,11 +110,15 @@ def test_fp32_dense_weights_go_layer_by_layer(tiny_target, monkeypatch):
     assert calls == []
 
 
-def test_a_quantized_stack_takes_any_number_of_rows(cpu_isa, tmp_path, monkeypatch):
-    """All projections quantized: past MAX_ROWS (a long prompt chunk, many chats in one batch)
-    the stack still runs, and gives the layers' bits."""
-    path = save_model(tmp_path / "q", "llama", seed=6, num_hidden_layers=2)
-    model = load_model(path, dtype="float32", quantization="int4")
+@pytest.mark.parametrize("dtype,quantization", [("float32", "int4"), ("bfloat16", None)])
+def test_many_rows_run_the_stack_where_the_layers_take_its_kernels(cpu_isa, dtype, quantization,
+                                                                   tmp_path, monkeypatch):
+    """Past MAX_ROWS (a long prompt chunk, many chats in one batch) the stack still runs, and
+    gives the layers' bits, when every projection is quantized, or bf16 on a path whose C
+    kernels take every bf16 product (avx2, portable); where the layers hand many bf16 rows to
+    F.linear (amx, avx512) those forwards go layer by layer."""
+    path = save_model(tmp_path / "m", "llama", seed=6, num_hidden_layers=2)
+    model = load_model(path, dtype=dtype, quantization=quantization)
     rows = 2 * cpu_decoder.MAX_ROWS + 3
 
     def forwards() -> list[torch.Tensor]:
@@ -127,20 +131,11 @@ def test_a_quantized_stack_takes_any_number_of_rows(cpu_isa, tmp_path, monkeypat
     real = DecoderStack.run
     monkeypatch.setattr(DecoderStack, "run", lambda *a, **k: calls.append(1) or real(*a, **k))
     stacked = forwards()
-    assert len(calls) == 2
+    takes_many = quantization is not None or cpu_isa not in cpu_linear.MAX_ROWS
+    assert len(calls) == (2 if takes_many else 1)  # the decode step runs the stack on any path
     monkeypatch.setenv("SPECSERVE_CPU_STACK", "0")
     for got, want in zip(stacked, forwards(), strict=True):
         assert torch.equal(got, want)
-
-
-def test_many_rows_go_layer_by_layer(tiny_target, monkeypatch):
-    model = load_model(tiny_target, dtype="bfloat16")
-    calls = []
-    monkeypatch.setattr(DecoderStack, "run", lambda *a, **k: calls.append(1))
-    runner = ModelRunner(model, num_blocks=12, block_size=8)
-    rows = cpu_decoder.MAX_ROWS + 1
-    runner.forward([Segment(list(range(3, 3 + rows)), range(rows), 0, range(12), [rows - 1])])
-    assert calls == []
 
 
 def test_moving_the_model_rebuilds_the_stack(tiny_target):
