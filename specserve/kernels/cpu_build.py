@@ -65,6 +65,9 @@ KERNELS: dict[str, dict[str, Signature]] = {
     "cpu_gemm.c": {
         "gemm_bf16": ([_p] * 5 + [_i64] * 3 + [_i32], ctypes.c_int),
     },
+    "cpu_outer.c": {
+        "outer_gemm_bf16": ([_p] * 5 + [_i64] * 3 + [_i32], ctypes.c_int),
+    },
     "cpu_amx.c": {},  # gemv_bf16 and gemm_bf16 on the amx path
     "cpu_attention.c": {
         "paged_attention": (

@@ -5,7 +5,7 @@
  * a 2-core CPU each costs 5-20 us of dispatch before any arithmetic: 0.3-0.5 ms per layer,
  * as much as a small model's products. `decoder_layers` runs every layer of the stack in one
  * call, each step through the kernel the Python path calls for it (rms_norm_rows, gemv_bf16 /
- * gemm_bf16 or quant_matmul[_int], rotary_rows, store_kv_rows, paged_attention,
+ * gemm_bf16 / outer_gemm_bf16 or quant_matmul[_int], rotary_rows, store_kv_rows, paged_attention,
  * silu_mul_rows / gelu_tanh_mul_rows) and the residual adds rounded as torch's adds round, so
  * the stack gives the same bits as specserve/model/architectures.py's layers on the C kernels
  * (the tests compare the two) and keeps their row-count invariance.
@@ -70,7 +70,8 @@ typedef struct {
     float eps, scale;                    /* RMSNorm epsilon; softmax scale */
     int64_t max_positions;               /* rows of every layer's rotary tables */
     int32_t f32;                         /* activations fp32 (else bf16) */
-    int32_t gemm_min_rows;               /* bf16 products of this many rows take gemm_bf16 */
+    int32_t gemm_min_rows;               /* bf16 products of this many rows take gemm_bf16, */
+    int32_t outer_min_rows;              /* of this many outer_gemm_bf16 (cpu_linear.py's choice) */
     int32_t activation;                  /* GATE_SILU or GATE_GELU_TANH */
 } decoder_desc;
 
@@ -157,8 +158,9 @@ static int product(const decoder_desc *m, const step_desc *s, const part_desc *w
                    const void *x, void *y, int num_threads) {
     const int64_t T = s->T;
     if (w->kind == LINEAR_BF16)
-        return (T >= m->gemm_min_rows ? gemm_bf16 : gemv_bf16)(x, w->weight, w->bias, NULL, y,
-                                                               T, w->n, k, num_threads);
+        return (T >= m->outer_min_rows ? outer_gemm_bf16
+                : T >= m->gemm_min_rows ? gemm_bf16 : gemv_bf16)(x, w->weight, w->bias, NULL, y,
+                                                                 T, w->n, k, num_threads);
     if (s->act_bits == 0)
         return quant_matmul(x, !m->f32, w->weight, w->fmt, w->group, w->bias, y, !m->f32, T,
                             w->n, k, num_threads);

@@ -60,7 +60,8 @@ class _Decoder(ctypes.Structure):
     _fields_ = [("layers", ctypes.POINTER(_Layer)), ("num_layers", _i64), ("hidden", _i64),
                 ("intermediate", _i64), ("num_heads", _i64), ("num_kv_heads", _i64),
                 ("head_dim", _i64), ("eps", _f32), ("scale", _f32), ("max_positions", _i64),
-                ("f32", _i32), ("gemm_min_rows", _i32), ("activation", _i32)]
+                ("f32", _i32), ("gemm_min_rows", _i32), ("outer_min_rows", _i32),
+                ("activation", _i32)]
 
 
 class _Step(ctypes.Structure):
@@ -184,7 +185,8 @@ class DecoderStack:
             ctypes.cast(self._layers, ctypes.POINTER(_Layer)), len(layers),
             first.input_norm.shape[0], first.down.in_features, num_heads, num_kv_heads,
             head_dim, eps, head_dim ** -0.5 if scale is None else scale, first.cos.shape[0],
-            dtype == torch.float32, cpu_linear.GEMM_MIN_ROWS, ACTIVATIONS.index(activation))
+            dtype == torch.float32, cpu_linear.GEMM_MIN_ROWS,
+            min(cpu_linear.outer_min_rows(), 2**31 - 1), ACTIVATIONS.index(activation))
 
     @staticmethod
     def unsupported(layers: list[LayerWeights], dtype: torch.dtype, head_dim: int) -> str | None:

@@ -9,6 +9,8 @@ int gemv_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, float 
               uint16_t *y_bf16, int64_t M, int64_t N, int64_t K, int num_threads);
 int gemm_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, float *y_f32,
               uint16_t *y_bf16, int64_t M, int64_t N, int64_t K, int num_threads);
+int outer_gemm_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, float *y_f32,
+                    uint16_t *y_bf16, int64_t M, int64_t N, int64_t K, int num_threads);
 int quant_matmul(const void *x, int x_bf16, const uint8_t *w, int fmt, int group,
                  const void *bias, void *y, int y_bf16, int64_t M, int64_t N, int64_t K,
                  int num_threads);

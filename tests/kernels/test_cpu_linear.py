@@ -1,6 +1,8 @@
 """The CPU matrix-vector kernel (specserve/kernels/cpu_gemv.c) and the blocked GEMM
 (specserve/kernels/cpu_gemm.c) against their reference, F.linear in fp32, and against each other
-(bit for bit), on every ISA path this CPU runs (the `cpu_isa` fixture)."""
+(bit for bit), and the outer-product GEMM for many rows (specserve/kernels/cpu_outer.c) against
+its own order's reference bit for bit, on every ISA path this CPU runs (the `cpu_isa`
+fixture)."""
 
 from __future__ import annotations
 
@@ -76,6 +78,39 @@ def test_a_row_is_bit_identical_alone_or_among_other_rows(cpu_isa: str, n: int, 
         assert torch.equal(cpu_linear.linear(x[:m], w, b), one[:m])
 
 
+@pytest.mark.parametrize("m", [1, 6, 7, 33, 100])
+@pytest.mark.parametrize("n,k", [(1, 32), (5, 300), (77, 257), (33, 16), (3, 7), (130, 130)])
+def test_outer_gemm_is_one_chain_per_output_in_k_order(cpu_isa: str, m: int, n: int, k: int):
+    """Odd shapes: ragged row and weight tiles, k past one weight panel (257, 300). The
+    reference adds the products (exact in fp32: bf16 x bf16) to an fp32 sum in k order, which
+    is what one multiply-add chain per output gives, so the kernel must match it bit for bit."""
+    x, w = _bf16(m, k, seed=m + 2), _bf16(n, k, seed=n + k + 2)
+    xf, wf = x.float(), w.float()
+    want = torch.zeros(m, n)
+    for j in range(k):
+        want = want + xf[:, j : j + 1] * wf[:, j]  # [m, n]
+    got = cpu_linear.outer_gemm_bf16(x, w)
+    assert got.dtype == torch.float32 and got.shape == (m, n)
+    assert torch.equal(got, want)
+
+
+def test_outer_gemm_rows_are_bit_identical_among_themselves(cpu_isa: str):
+    """Past INVARIANT_ROWS, where linear takes the outer-product kernel on avx2: a row's results
+    do not depend on the row count (past one pass of CHUNK_ROWS too) nor the thread count."""
+    x, w = _bf16(500, 4864, seed=11), _bf16(70, 4864, seed=12)
+    full = cpu_linear.outer_gemm_bf16(x, w)  # [500, 70]
+    for m in (cpu_linear.INVARIANT_ROWS + 1, 100, 385):
+        assert torch.equal(cpu_linear.outer_gemm_bf16(x[:m], w), full[:m])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(cpu_linear.outer_gemm_bf16(x[-40:], w), full[-40:])
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(full, F.linear(x.float(), w.float()), rtol=1e-5,
+                               atol=1e-5 * 4864 ** 0.5)
+
+
 class RecordingLibrary:
     """Stands in for the kernel library: records gemv and gemm calls, forwards them (or
     fails)."""
@@ -93,6 +128,9 @@ class RecordingLibrary:
 
     def gemm_bf16(self, *args):
         return self._call("gemm_bf16", *args)
+
+    def outer_gemm_bf16(self, *args):
+        return self._call("outer_gemm_bf16", *args)
 
     def _call(self, kernel: str, *args):
         assert self.allowed, "the kernel was used"
@@ -126,7 +164,9 @@ def test_prompt_chunks_take_the_kernel_where_torch_has_no_native_bf16_gemm(cpu_i
     monkeypatch.setattr(cpu_linear, "_library", lambda: recorder)
     out = cpu_linear.linear(x, w)
     limit = cpu_linear.MAX_ROWS.get(cpu_isa)
-    assert recorder.kernels == ([] if limit is not None and len(x) > limit else ["gemm_bf16"])
+    kernel = "outer_gemm_bf16" if len(x) >= cpu_linear.outer_min_rows() else "gemm_bf16"
+    assert recorder.kernels == ([] if limit is not None and len(x) > limit else [kernel])
+    assert kernel == ("outer_gemm_bf16" if cpu_isa == "avx2" else "gemm_bf16")
     want = F.linear(x.float(), w.float()).to(torch.bfloat16)
     torch.testing.assert_close(out.float(), want.float(), rtol=2 ** -7, atol=1e-6)
 
