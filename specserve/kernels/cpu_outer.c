@@ -44,11 +44,31 @@ static void pack_x(const uint16_t *x, int64_t M, int64_t K, float *xp, int64_t t
         float *panel = xp + t * K * OUTER_MR;
         for (int i = 0; i < OUTER_MR; i++) {
             const int64_t m = t * OUTER_MR + i;
-            const uint16_t *row = x + m * K;
-            for (int64_t k = 0; k < K; k++) panel[k * OUTER_MR + i] = m < M ? bf16_to_f32(row[k]) : 0.f;
+            for (int64_t k = 0; k < K; k++)
+                panel[k * OUTER_MR + i] = m < M ? bf16_to_f32(x[m * K + k]) : 0.f;
         }
     }
 }
+
+#if defined(SPECSERVE_ISA_AVX2)
+/* r[i][j] -> r[j][i]: rows of 8 values to columns. */
+SIMD_INLINE void transpose_8x8(__m256 r[8]) {
+    __m256 a[8], b[8];
+    for (int i = 0; i < 8; i += 2) {
+        a[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);     /* r_i0 r_(i+1)0 r_i1 r_(i+1)1 | ..4 ..5 */
+        a[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]); /* .. 2 .. 3 | .. 6 .. 7 */
+    }
+    for (int i = 0; i < 8; i += 4)
+        for (int h = 0; h < 2; h++) {
+            b[i + 2 * h] = _mm256_shuffle_ps(a[i + h], a[i + 2 + h], 0x44);
+            b[i + 2 * h + 1] = _mm256_shuffle_ps(a[i + h], a[i + 2 + h], 0xEE);
+        }
+    for (int j = 0; j < 4; j++) {
+        r[j] = _mm256_permute2f128_ps(b[j], b[j + 4], 0x20);
+        r[j + 4] = _mm256_permute2f128_ps(b[j], b[j + 4], 0x31);
+    }
+}
+#endif
 
 /* Weight rows [n0, n0 + nr) at k in [k0, k1) as wp[k - k0][OUTER_NR] fp32; rows past nr zero. */
 static void pack_w(const uint16_t *w, int64_t K, int64_t n0, int nr, int64_t k0, int64_t k1,
@@ -61,23 +81,13 @@ static void pack_w(const uint16_t *w, int64_t K, int64_t n0, int nr, int64_t k0,
             for (int h = 0; h < 2; h++) {
                 __m256 r[8];
                 for (int i = 0; i < 8; i++) {
-                    const __m128i v = _mm_loadu_si128((const __m128i *)(w + (n0 + 8 * h + i) * K + k));
-                    r[i] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+                    const uint16_t *at = w + (n0 + 8 * h + i) * K + k;
+                    const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)at));
+                    r[i] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
                 }
-                const __m256 a0 = _mm256_unpacklo_ps(r[0], r[1]), a1 = _mm256_unpackhi_ps(r[0], r[1]),
-                             a2 = _mm256_unpacklo_ps(r[2], r[3]), a3 = _mm256_unpackhi_ps(r[2], r[3]),
-                             a4 = _mm256_unpacklo_ps(r[4], r[5]), a5 = _mm256_unpackhi_ps(r[4], r[5]),
-                             a6 = _mm256_unpacklo_ps(r[6], r[7]), a7 = _mm256_unpackhi_ps(r[6], r[7]);
-                const __m256 b0 = _mm256_shuffle_ps(a0, a2, 0x44), b1 = _mm256_shuffle_ps(a0, a2, 0xEE),
-                             b2 = _mm256_shuffle_ps(a1, a3, 0x44), b3 = _mm256_shuffle_ps(a1, a3, 0xEE),
-                             b4 = _mm256_shuffle_ps(a4, a6, 0x44), b5 = _mm256_shuffle_ps(a4, a6, 0xEE),
-                             b6 = _mm256_shuffle_ps(a5, a7, 0x44), b7 = _mm256_shuffle_ps(a5, a7, 0xEE);
-                const __m256 col[8] = {
-                    _mm256_permute2f128_ps(b0, b4, 0x20), _mm256_permute2f128_ps(b1, b5, 0x20),
-                    _mm256_permute2f128_ps(b2, b6, 0x20), _mm256_permute2f128_ps(b3, b7, 0x20),
-                    _mm256_permute2f128_ps(b0, b4, 0x31), _mm256_permute2f128_ps(b1, b5, 0x31),
-                    _mm256_permute2f128_ps(b2, b6, 0x31), _mm256_permute2f128_ps(b3, b7, 0x31)};
-                for (int j = 0; j < 8; j++) _mm256_storeu_ps(wp + (k - k0 + j) * OUTER_NR + 8 * h, col[j]);
+                transpose_8x8(r);
+                for (int j = 0; j < 8; j++)
+                    _mm256_storeu_ps(wp + (k - k0 + j) * OUTER_NR + 8 * h, r[j]);
             }
 #endif
     for (; k < k1; k++)
@@ -128,7 +138,8 @@ static int chunk_product(const uint16_t *x, const uint16_t *w, Output y, int64_t
         for (int64_t t = 0; t < mt; t++) pack_x(x, M, K, xp, t, t + 1);
         /* one block's weight panels, and its outputs' sums for every row (in L2) */
         float *wp = aligned_alloc(64, (size_t)NC_TILES * KC_STEPS * OUTER_NR * sizeof(float));
-        float *sums = aligned_alloc(64, (size_t)NC_TILES * mt * OUTER_MR * OUTER_NR * sizeof(float));
+        float *sums =
+            aligned_alloc(64, (size_t)NC_TILES * mt * OUTER_MR * OUTER_NR * sizeof(float));
         if (wp == NULL || sums == NULL) {
 #pragma omp atomic write
             failed = 1;
@@ -148,8 +159,9 @@ static int chunk_product(const uint16_t *x, const uint16_t *w, Output y, int64_t
                     const int64_t m1 = mt - m0 < MC_TILES ? mt : m0 + MC_TILES;
                     for (int64_t t = t0; t < t1; t++)
                         for (int64_t m = m0; m < m1; m++)
-                            micro_tile(xp + (m * K + k0) * OUTER_MR, wp + (t - t0) * KC_STEPS * OUTER_NR,
-                                       k1 - k0, sums + ((t - t0) * mt + m) * OUTER_MR * OUTER_NR, k0 == 0);
+                            micro_tile(xp + (m * K + k0) * OUTER_MR,
+                                       wp + (t - t0) * KC_STEPS * OUTER_NR, k1 - k0,
+                                       sums + ((t - t0) * mt + m) * OUTER_MR * OUTER_NR, k0 == 0);
                 }
             }
             for (int64_t t = t0; t < t1; t++) {
