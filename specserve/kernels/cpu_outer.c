@@ -37,17 +37,20 @@
  * while every weight block streams past them. */
 #define CHUNK_ROWS 384
 
-/* Activation rows [t * OUTER_MR, + OUTER_MR) as fp32 panels xp[t][k][OUTER_MR] for every k;
+/* Activation rows [t * OUTER_MR, + OUTER_MR) as the fp32 panel xp[t][k][OUTER_MR] for every k;
  * rows past M are zero (their outputs are never stored). */
-static void pack_x(const uint16_t *x, int64_t M, int64_t K, float *xp, int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; t++) {
-        float *panel = xp + t * K * OUTER_MR;
-        for (int i = 0; i < OUTER_MR; i++) {
-            const int64_t m = t * OUTER_MR + i;
-            for (int64_t k = 0; k < K; k++)
-                panel[k * OUTER_MR + i] = m < M ? bf16_to_f32(x[m * K + k]) : 0.f;
-        }
+static void pack_x(const uint16_t *x, int64_t M, int64_t K, int64_t t, float *xp) {
+    float *panel = xp + t * K * OUTER_MR;
+    for (int i = 0; i < OUTER_MR; i++) {
+        const int64_t m = t * OUTER_MR + i;
+        for (int64_t k = 0; k < K; k++)
+            panel[k * OUTER_MR + i] = m < M ? bf16_to_f32(x[m * K + k]) : 0.f;
     }
+}
+
+/* Weight rows of the tile from row n0 that exist (the last tile of N may be ragged). */
+static inline int tile_rows(int64_t N, int64_t n0) {
+    return N - n0 < OUTER_NR ? (int)(N - n0) : OUTER_NR;
 }
 
 #if defined(SPECSERVE_ISA_AVX2)
@@ -135,7 +138,7 @@ static int chunk_product(const uint16_t *x, const uint16_t *w, Output y, int64_t
 #pragma omp parallel num_threads(num_threads) if (parallel)
     {
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < mt; t++) pack_x(x, M, K, xp, t, t + 1);
+        for (int64_t t = 0; t < mt; t++) pack_x(x, M, K, t, xp);
         /* one block's weight panels, and its outputs' sums for every row (in L2) */
         float *wp = aligned_alloc(64, (size_t)NC_TILES * KC_STEPS * OUTER_NR * sizeof(float));
         float *sums =
@@ -152,8 +155,7 @@ static int chunk_product(const uint16_t *x, const uint16_t *w, Output y, int64_t
                 const int64_t k1 = K - k0 < KC_STEPS ? K : k0 + KC_STEPS;
                 for (int64_t t = t0; t < t1; t++) {
                     const int64_t n0 = t * OUTER_NR;
-                    pack_w(w, K, n0, N - n0 < OUTER_NR ? (int)(N - n0) : OUTER_NR, k0, k1,
-                           wp + (t - t0) * KC_STEPS * OUTER_NR);
+                    pack_w(w, K, n0, tile_rows(N, n0), k0, k1, wp + (t - t0) * KC_STEPS * OUTER_NR);
                 }
                 for (int64_t m0 = 0; m0 < mt; m0 += MC_TILES) {
                     const int64_t m1 = mt - m0 < MC_TILES ? mt : m0 + MC_TILES;
@@ -166,7 +168,7 @@ static int chunk_product(const uint16_t *x, const uint16_t *w, Output y, int64_t
             }
             for (int64_t t = t0; t < t1; t++) {
                 const int64_t n0 = t * OUTER_NR;
-                const int nr = N - n0 < OUTER_NR ? (int)(N - n0) : OUTER_NR;
+                const int nr = tile_rows(N, n0);
                 const float *tile_sums = sums + (t - t0) * mt * OUTER_MR * OUTER_NR;
                 for (int64_t m = 0; m < M; m++)
                     for (int r = 0; r < nr; r++)
